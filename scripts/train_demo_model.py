@@ -1,0 +1,1141 @@
+"""Train expresslane's bundled demo model: a small Python-code model and its draft model.
+
+Both models are trained from scratch on the Python standard library of the running interpreter,
+on a 2-core CPU, in about an hour. They are demo models: big enough to produce recognizable
+Python, follow a chat template and emit Hermes/Qwen2.5-style tool calls, small enough to ship in
+the wheel and to serve fast on a laptop CPU. They are not general assistants.
+
+Recipe
+------
+1. Corpus. Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, skipping any folder
+   named ``test``, ``tests`` or ``idle_test`` and ``site-packages``, in sorted order. The split is
+   by file: a file is held out when ``int(sha256(relpath)[:8], 16) % 100 < 7`` (the threshold is
+   raised by one until at least 6% of the files are held out). Held-out files are never seen in
+   training, not even by the tokenizer; their list is written to ``training.json``.
+2. Tokenizer. Byte-level BPE (``tokenizers``), vocabulary 8192, trained on the train files only.
+   Special tokens ``<|endoftext|>`` (document separator, also BOS and pad), ``<|im_start|>``,
+   ``<|im_end|>`` (end of a chat turn, the chat EOS); added non-special tokens ``<tool_call>``,
+   ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` (kept by
+   ``decode(skip_special_tokens=True)``, as in Qwen2.5). The chat template is ChatML with
+   Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``).
+3. Training mix, rebuilt for every epoch with a seed derived from ``--seed`` and the epoch:
+   (a) plain code (about 65% of tokens): the train files, shuffled, each followed by
+   ``<|endoftext|>``; (b) instructions (about 15%): functions with docstrings extracted with
+   ``ast``; the user asks for ``name(args)`` described by the docstring's first paragraph (varied
+   phrasings), the assistant answers with the function source in a single ```python block;
+   (c) agent tool use (about 20%): the tools ``read_file``, ``run_tests``, ``write_file`` and
+   ``list_dir`` are offered; the user asks to read / explain / test / fix a real train file or to
+   list a folder; the assistant calls the right tool, a ``tool`` message returns a realistic result
+   (an excerpt of the real file, a real folder listing, a pytest-like summary) and the assistant
+   gives a short grounded answer. All documents are shuffled together, concatenated and cut into
+   windows of 1024 tokens (+1 for the shifted labels). Loss on every token.
+4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
+   2048 positions, trained at sequence length 1024 with bf16 autocast, AdamW (0.9, 0.95, wd 0.1),
+   linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
+   target: d=384, 8 layers, 6 heads (2 KV heads), MLP 1024 (15.7M parameters).
+   draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
+5. Budget. Each model trains for a fixed number of optimizer steps. Unless ``--target-steps`` /
+   ``--draft-steps`` are given, the count is planned from a wall-time budget: the warmup steps
+   (whose learning rates do not depend on the total) are timed and the total is set so that the run
+   fills the budget. The steps actually used are written to ``training.json``; passing them back
+   reproduces the same weights from the same seed (same data, same order, same initialization).
+6. Resume. Tokenized data, the tokenizer and a checkpoint (model, optimizer, step, planned steps)
+   every ``--ckpt-minutes`` live in ``--work-dir`` (default ``.cache/demo_train``, outside git). A
+   rerun with the same flags resumes from the latest checkpoint.
+7. Output (``--out-dir``, default ``src/expresslane/assets/demo``): ``target/`` and ``draft/`` in
+   Hugging Face format (config.json, generation_config.json, bf16 model.safetensors, tokenizer
+   files) and ``training.json``.
+
+Usage::
+
+    python scripts/train_demo_model.py                      # full run, about 60 min on 2 cores
+    python scripts/train_demo_model.py --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
+    python scripts/train_demo_model.py --target-steps N --draft-steps M    # exact reproduction
+    python scripts/eval_demo_model.py                        # held-out evaluation -> eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "src" / "expresslane" / "assets" / "demo"
+DEFAULT_WORK = REPO / ".cache" / "demo_train"
+
+VOCAB_SIZE = 8192
+SEQ_LEN = 1024
+MAX_POSITIONS = 2048
+EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOT, IM_START, IM_END]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+DEFAULT_SYSTEM = "You are a helpful coding assistant."
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+MIX = {"code": 0.65, "instruct": 0.15, "tool": 0.20}  # share of training tokens
+
+MODEL_SHAPES = {
+    "target": dict(
+        hidden_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+    ),
+    "draft": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+    ),
+}
+TRAIN_DEFAULTS = {  # peak lr, warmup steps, batch (sequences of SEQ_LEN tokens)
+    "target": dict(lr=1.5e-3, warmup=40, batch=4),
+    "draft": dict(lr=3e-3, warmup=40, batch=4),
+}
+
+# ChatML + Hermes / Qwen2.5 tool calls. The server's tool-call parser relies on this exact format.
+CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is none -%}"
+    "{%- elif content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- text(messages[0].content) -}}"
+    "{%- else -%}{{- '" + DEFAULT_SYSTEM + "' -}}{%- endif -%}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'"
+    " + '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and"
+    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name":'
+    ' <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and loop.first and tools -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}"
+    "{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' -}}{{- text(message.content) -}}{{- '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}"
+    "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif message.role == 'assistant' and message.tool_calls -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if message.content -%}{{- text(message.content) + '\\n' -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    '{{- \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' -}}'
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}"
+    "{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}{{- text(message.content) -}}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _tool(name: str, description: str, params: dict[str, str]) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": "string", "description": v} for k, v in params.items()},
+                "required": list(params),
+            },
+        },
+    }
+
+
+TOOLS = [
+    _tool(
+        "read_file",
+        "Read a text file and return its contents.",
+        {"path": "Path of the file to read."},
+    ),
+    _tool(
+        "run_tests",
+        "Run the tests for a file or folder and return a pytest summary.",
+        {"path": "Path of the file or folder to test."},
+    ),
+    _tool(
+        "write_file",
+        "Write content to a file, replacing it if it exists.",
+        {"path": "Path of the file to write.", "content": "The full new content of the file."},
+    ),
+    _tool("list_dir", "List the entries of a folder.", {"path": "Path of the folder."}),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_corpus(root: Path) -> list[str]:
+    """Relative POSIX paths of the corpus files, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
+        rel = Path(dirpath).relative_to(root)
+        out += [(rel / f).as_posix() for f in filenames if f.endswith(".py")]
+    return sorted(out)
+
+
+def split_files(files: list[str]) -> tuple[list[str], list[str], int]:
+    """Deterministic by-file split: returns (train, heldout, threshold percent)."""
+
+    def bucket(f: str) -> int:
+        return int(hashlib.sha256(f.encode()).hexdigest()[:8], 16) % 100
+
+    threshold = 7
+    while sum(bucket(f) < threshold for f in files) < 0.06 * len(files):
+        threshold += 1
+    held = [f for f in files if bucket(f) < threshold]
+    train = [f for f in files if bucket(f) >= threshold]
+    return train, held, threshold
+
+
+def read_sources(root: Path, files: list[str]) -> dict[str, str]:
+    out = {}
+    for f in files:
+        try:
+            out[f] = (root / f).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # skipped deterministically; none in CPython 3.11
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TOOL_TOKENS),
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return tok
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t in SPECIAL_TOKENS,
+        }
+        for t in SPECIAL_TOKENS + TOOL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOT,
+        "eos_token": IM_END,
+        "pad_token": EOT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITIONS,
+        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    smap = {
+        "bos_token": EOT,
+        "eos_token": IM_END,
+        "pad_token": EOT,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Training examples (chat format), built from the train files only
+
+
+_NOT_VERBS = {
+    "a",
+    "an",
+    "the",
+    "this",
+    "if",
+    "for",
+    "in",
+    "helper",
+    "internal",
+    "private",
+    "used",
+    "called",
+    "deprecated",
+    "same",
+    "like",
+    "see",
+    "note",
+    "when",
+    "it",
+}
+
+
+def docstring_summary(doc: str) -> str:
+    para = doc.strip().split("\n\n")[0]
+    return " ".join(para.split()).rstrip(".")
+
+
+def third_person(desc: str) -> str | None:
+    """'Return the x' -> 'returns the x'; None when the text does not start with a verb."""
+    word, _, rest = desc.partition(" ")
+    if not word.isalpha() or not word[0].isupper() or word.lower() in _NOT_VERBS:
+        return None
+    w = word.lower()
+    if w.endswith("ss") or w.endswith(("sh", "ch", "x", "z", "o")):
+        w += "es"
+    elif w.endswith("s"):
+        pass  # already third person ("Returns ...")
+    elif w.endswith("y") and w[-2:-1] not in "aeiou":
+        w = w[:-1] + "ies"
+    else:
+        w += "s"
+    return (w + " " + rest).strip()
+
+
+def extract_functions(source: str) -> list[dict]:
+    """Functions and methods with docstrings: name, signature, class, header, source, line."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    found = []
+
+    def visit(node, cls):
+        for child in node.body:
+            if isinstance(child, ast.ClassDef) and cls is None:
+                visit(child, child.name)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(child)
+                if not doc or not isinstance(child.body[0], ast.Expr):
+                    continue
+                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                src = textwrap.dedent("\n".join(lines[start - 1 : child.end_lineno]))
+                header = textwrap.dedent("\n".join(lines[start - 1 : child.body[0].end_lineno]))
+                body_lines = child.end_lineno - child.body[0].end_lineno
+                found.append(
+                    dict(
+                        name=child.name,
+                        cls=cls,
+                        lineno=child.lineno,
+                        source=src,
+                        header=header,
+                        sig=f"{child.name}({ast.unparse(child.args)})",
+                        doc=docstring_summary(doc),
+                        body_lines=body_lines,
+                        is_async=isinstance(child, ast.AsyncFunctionDef),
+                    )
+                )
+
+    visit(tree, None)
+    return found
+
+
+def top_level_defs(source: str) -> list[tuple[str, str, int]]:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [
+        ("class" if isinstance(n, ast.ClassDef) else "function", n.name, n.lineno)
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+
+
+def module_summary(source: str) -> str | None:
+    try:
+        doc = ast.get_docstring(ast.parse(source))
+    except SyntaxError:
+        return None
+    if not doc:
+        return None
+    first = docstring_summary(doc).split(". ")[0].rstrip(".")
+    return first if 8 <= len(first) <= 200 else None
+
+
+def names_phrase(names: list[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    if len(quoted) <= 2:
+        return " and ".join(quoted)
+    return ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+INSTRUCT_WITH_VERB = [
+    "Write a Python function `{sig}` that {desc}.",
+    "Write a function `{sig}` that {desc}.",
+    "I need a Python function called `{name}` with the signature `{sig}`. It {desc}.",
+    "Can you write `{sig}`? It {desc}.",
+    "Implement `{sig}` in Python so that it {desc}.",
+    "Please write a function named `{name}` that {desc}.",
+]
+INSTRUCT_ANY = [
+    "Write a Python function `{sig}`. Docstring: {doc}.",
+    "Implement `{sig}`: {doc}.",
+    "Write `{sig}` in Python. Description: {doc}.",
+]
+INSTRUCT_METHOD = [
+    "Write the method `{cls}.{sig}` that {desc}.",
+    "Implement the `{name}` method of the `{cls}` class. It {desc}.",
+    "In class `{cls}`, write `{sig}`: {doc}.",
+]
+READ_ASKS = [
+    "Read {p}.",
+    "Show me {p}.",
+    "Can you open {p}?",
+    "What's in {p}?",
+    "Please read the file {p}.",
+    "Open {p} for me.",
+    "Look at {p} and tell me what it defines.",
+    "Let me see the contents of {p}.",
+    "Can you read {p} and summarize it?",
+]
+EXPLAIN_ASKS = [
+    "Explain what {p} does.",
+    "Can you explain {p}?",
+    "What is {p} for?",
+    "Give me an overview of {p}.",
+    "Help me understand {p}.",
+]
+TEST_ASKS = [
+    "Run the tests for {p}.",
+    "Can you run the tests for {p}?",
+    "Test {p} please.",
+    "Do the tests for {p} pass?",
+    "Check that {p} still passes its tests.",
+    "Please run the test suite for {p}.",
+    "Run tests on {p} and tell me the result.",
+]
+FIX_ASKS = [
+    "There's a bug in `{f}` in {p}. Can you fix it?",
+    "Fix the `{f}` function in {p}.",
+    "`{f}` in {p} is broken; please fix it.",
+    "Something is wrong with `{f}` in {p}, fix it.",
+]
+LIST_ASKS = [
+    "List the files in {p}.",
+    "What's in the {p} folder?",
+    "Show me the contents of {p}.",
+    "Which files are in {p}?",
+    "List {p}.",
+]
+READ2_ASKS = ["Read {p} and {q}.", "Show me {p} and {q}.", "Can you open {p} and {q}?"]
+SYSTEMS = [
+    "You are an agent working in a checkout of the CPython repository.",
+    "You are a coding agent. Use the tools to inspect files and run tests.",
+    "You are a helpful assistant with access to a workspace.",
+]
+
+
+def call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ExampleFactory:
+    """Generates chat examples (messages, tools) from the train files."""
+
+    def __init__(self, sources: dict[str, str]):
+        self.sources = sources
+        self.files = sorted(sources)
+        self.functions = []
+        self.defs = {}
+        for f in self.files:
+            for fn in extract_functions(sources[f]):
+                if (
+                    len(fn["source"]) <= 2500
+                    and fn["source"].count("\n") < 60
+                    and 10 <= len(fn["doc"]) <= 300
+                ):
+                    self.functions.append(fn)
+            self.defs[f] = top_level_defs(sources[f])
+        self.func_files = [
+            f for f in self.files if any(k == "function" for k, _, _ in self.defs[f])
+        ]
+        folders: dict[str, set[str]] = {}
+        for f in self.files:  # folder listings show train files and sub-folders only
+            parts = f.split("/")
+            for i in range(len(parts)):
+                parent = "/".join(parts[:i])
+                folders.setdefault(parent, set()).add(
+                    parts[i] + ("/" if i < len(parts) - 1 else "")
+                )
+        self.folders = {k: sorted(v) for k, v in folders.items()}
+
+    @staticmethod
+    def show_path(rng: random.Random, rel: str) -> str:
+        return ("Lib/" + rel) if rng.random() < 0.7 else rel
+
+    @staticmethod
+    def quote(rng: random.Random, text: str) -> str:
+        return f"`{text}`" if rng.random() < 0.5 else text
+
+    def tools_for(self, rng: random.Random) -> list[dict]:
+        if rng.random() < 0.7:
+            return TOOLS
+        tools = TOOLS[:]
+        rng.shuffle(tools)
+        return tools
+
+    def system(self, rng: random.Random) -> list[dict]:
+        return [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []
+
+    # (b) instructions -----------------------------------------------------------------------
+    def instruct(self, rng: random.Random) -> tuple[list[dict], list[dict] | None]:
+        fn = rng.choice(self.functions)
+        desc = third_person(fn["doc"])
+        fields = dict(sig=fn["sig"], name=fn["name"], cls=fn["cls"], doc=fn["doc"], desc=desc)
+        if fn["cls"] and desc:
+            ask = rng.choice(INSTRUCT_METHOD)
+        elif fn["cls"]:
+            ask = INSTRUCT_METHOD[2]
+        elif desc and rng.random() < 0.75:
+            ask = rng.choice(INSTRUCT_WITH_VERB)
+        else:
+            ask = rng.choice(INSTRUCT_ANY)
+        messages = [
+            {"role": "user", "content": ask.format(**fields)},
+            {"role": "assistant", "content": f"```python\n{fn['source']}\n```"},
+        ]
+        r = rng.random()
+        if r < 0.2:  # tools offered but not needed: answer directly
+            return self.system(rng) + messages, self.tools_for(rng)
+        if r < 0.5:
+            return [{"role": "system", "content": DEFAULT_SYSTEM}] + messages, None
+        return messages, None
+
+    # (c) tool use ---------------------------------------------------------------------------
+    def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
+        lines = self.sources[rel].splitlines()
+        n = rng.randint(10, 25)
+        text = "\n".join(lines[start : start + n])
+        while len(text) > 1500 and n > 3:
+            n -= 3
+            text = "\n".join(lines[start : start + n])
+        end = start + n
+        if end < len(lines):
+            text += f"\n... ({len(lines) - end} more lines)"
+        return text, start, min(end, len(lines))
+
+    def defined_in(self, rel: str, start: int, end: int) -> list[tuple[str, str, int]]:
+        return [d for d in self.defs[rel] if start < d[2] <= end]
+
+    def describe_defs(self, rng: random.Random, rel: str, path: str, start: int, end: int) -> str:
+        defs = self.defined_in(rel, start, end)
+        if not defs:
+            return (
+                f"This part of {self.quote(rng, path)} (lines {start + 1}-{end}) only has "
+                "imports, comments and module-level setup; no functions or classes."
+            )
+        funcs = [n for k, n, _ in defs if k == "function"]
+        classes = [n for k, n, _ in defs if k == "class"]
+        bits = []
+        if funcs:
+            bits.append(
+                ("the function " if len(funcs) == 1 else "the functions ") + names_phrase(funcs)
+            )
+        if classes:
+            bits.append(
+                ("the class " if len(classes) == 1 else "the classes ") + names_phrase(classes)
+            )
+        lead = rng.choice(
+            [
+                "Lines {a}-{b} of {p} define ",
+                "This part of {p} (lines {a}-{b}) defines ",
+                "In lines {a}-{b}, {p} defines ",
+            ]
+        )
+        return lead.format(a=start + 1, b=end, p=self.quote(rng, path)) + " and ".join(bits) + "."
+
+    def def_window_start(self, rng: random.Random, rel: str) -> int:
+        if rng.random() < 0.5 or not self.defs[rel]:
+            return 0
+        return rng.choice(self.defs[rel])[2] - 1
+
+    def test_report(self, rng: random.Random, rel: str) -> tuple[str, str, list[str]]:
+        stem = rel.split("/")[-1][:-3]
+        funcs = [n for k, n, _ in self.defs[rel] if k == "function"] or [stem]
+        n = rng.randint(3, 40)
+        failed = (
+            []
+            if rng.random() < 0.65
+            else sorted(
+                set("test_" + rng.choice(funcs).lstrip("_") for _ in range(rng.randint(1, 3)))
+            )
+        )
+        failed = failed[: n - 1]
+        marks = ["."] * n
+        for i in rng.sample(range(n), len(failed)):
+            marks[i] = "F"
+        secs = rng.uniform(0.05, 4.0)
+        lines = [f"collected {n} items", "", f"test_{stem}.py {''.join(marks)} [100%]", ""]
+        if failed:
+            lines += [f"FAILED test_{stem}.py::{t} - AssertionError" for t in failed]
+            lines.append(f"{len(failed)} failed, {n - len(failed)} passed in {secs:.2f}s")
+            answer = (
+                f"{len(failed)} of {n} tests failed: {names_phrase(failed)}."
+                if len(failed) > 1
+                else f"1 of {n} tests failed: `{failed[0]}`."
+            )
+        else:
+            lines.append(f"{n} passed in {secs:.2f}s")
+            answer = rng.choice(
+                [
+                    f"All {n} tests passed.",
+                    f"All {n} tests pass.",
+                    f"The tests pass: {n} passed, 0 failed.",
+                ]
+            )
+        return "\n".join(lines), answer, failed
+
+    def tool_use(self, rng: random.Random) -> tuple[list[dict], list[dict]]:
+        kind = rng.choices(
+            ["read", "explain", "test", "fix", "list", "read2"], weights=[28, 14, 26, 12, 13, 7]
+        )[0]
+        rel = rng.choice(self.func_files if kind == "fix" else self.files)
+        path = self.show_path(rng, rel)
+        p = self.quote(rng, path)
+        msgs = self.system(rng)
+        tools = self.tools_for(rng)
+        if kind in ("read", "explain"):
+            asks = READ_ASKS if kind == "read" else EXPLAIN_ASKS
+            msgs.append({"role": "user", "content": rng.choice(asks).format(p=p)})
+            msgs.append(
+                {"role": "assistant", "content": "", "tool_calls": [call("read_file", path=path)]}
+            )
+            start = self.def_window_start(rng, rel) if kind == "read" else 0
+            text, a, b = self.excerpt(rng, rel, start)
+            msgs.append({"role": "tool", "content": text})
+            answer = self.describe_defs(rng, rel, path, a, b)
+            summary = module_summary(self.sources[rel])
+            if kind == "explain" and summary:
+                answer = f"{self.quote(rng, path)}: {summary}. " + answer
+            msgs.append({"role": "assistant", "content": answer})
+        elif kind == "test":
+            msgs.append({"role": "user", "content": rng.choice(TEST_ASKS).format(p=p)})
+            msgs.append(
+                {"role": "assistant", "content": "", "tool_calls": [call("run_tests", path=path)]}
+            )
+            report, answer, _ = self.test_report(rng, rel)
+            msgs.append({"role": "tool", "content": report})
+            msgs.append({"role": "assistant", "content": answer})
+        elif kind == "fix":
+            _, fname, line = rng.choice([d for d in self.defs[rel] if d[0] == "function"])
+            msgs.append({"role": "user", "content": rng.choice(FIX_ASKS).format(f=fname, p=p)})
+            msgs.append(
+                {"role": "assistant", "content": "", "tool_calls": [call("read_file", path=path)]}
+            )
+            text, _, _ = self.excerpt(rng, rel, line - 1)
+            msgs.append({"role": "tool", "content": text})
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": f"`{fname}` starts at line {line}. Let me run the tests to "
+                    "reproduce the problem.",
+                    "tool_calls": [call("run_tests", path=path)],
+                }
+            )
+            report, answer, failed = self.test_report(rng, rel)
+            msgs.append({"role": "tool", "content": report})
+            if not failed:
+                answer += (
+                    f" Nothing fails yet, so I need a failing case: what input makes "
+                    f"`{fname}` misbehave, and what did you expect?"
+                )
+            msgs.append({"role": "assistant", "content": answer})
+        elif kind == "list":
+            folder = rel.rsplit("/", 1)[0] if "/" in rel and rng.random() < 0.8 else ""
+            shown = (
+                ("Lib/" + folder).rstrip("/") if path.startswith("Lib/") or not folder else folder
+            )
+            msgs.append(
+                {"role": "user", "content": rng.choice(LIST_ASKS).format(p=self.quote(rng, shown))}
+            )
+            msgs.append(
+                {"role": "assistant", "content": "", "tool_calls": [call("list_dir", path=shown)]}
+            )
+            entries = self.folders[folder]
+            msgs.append({"role": "tool", "content": "\n".join(entries)})
+            files = [e for e in entries if not e.endswith("/")]
+            dirs = [e for e in entries if e.endswith("/")]
+            answer = f"{self.quote(rng, shown)} contains {len(files)} Python file" + (
+                "s" if len(files) != 1 else ""
+            )
+            if dirs:
+                answer += f" and {len(dirs)} folder" + ("s" if len(dirs) != 1 else "")
+            answer += "."
+            if 0 < len(files) <= 6:
+                answer += " The files are " + names_phrase(files) + "."
+            msgs.append({"role": "assistant", "content": answer})
+        else:  # read two files: two calls in one turn, two responses in one user turn
+            rel2 = rng.choice(self.files)
+            path2 = self.show_path(rng, rel2)
+            msgs.append(
+                {
+                    "role": "user",
+                    "content": rng.choice(READ2_ASKS).format(p=p, q=self.quote(rng, path2)),
+                }
+            )
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("read_file", path=path), call("read_file", path=path2)],
+                }
+            )
+            answers = []
+            for r, pp in ((rel, path), (rel2, path2)):
+                text, a, b = self.excerpt(rng, r, 0)
+                msgs.append({"role": "tool", "content": text})
+                answers.append(self.describe_defs(rng, r, pp, a, b))
+            msgs.append({"role": "assistant", "content": " ".join(answers)})
+        return msgs, tools
+
+
+# --------------------------------------------------------------------------------------------
+# Data: tokenizer + per-epoch token streams, cached in the work dir
+
+
+class Data:
+    def __init__(self, args, work: Path):
+        import torch
+
+        self.work = work
+        self.seed = args.seed
+        root = stdlib_root()
+        files = list_corpus(root)
+        train, held, threshold = split_files(files)
+        if args.smoke:
+            train = train[: args.smoke_files]
+        self.meta = dict(
+            python=sys.version.split()[0],
+            stdlib=str(root),
+            n_files=len(files),
+            n_train_files=len(train),
+            n_heldout_files=len(held),
+            heldout_threshold_percent=threshold,
+            heldout_files=held,
+        )
+        self.sources = read_sources(root, train)
+        tok_dir = work / "tokenizer"
+        if not (tok_dir / "tokenizer.json").exists():
+            log(f"training tokenizer on {len(self.sources)} train files")
+            t0 = time.time()
+            tok = train_tokenizer([self.sources[f] for f in sorted(self.sources)], VOCAB_SIZE)
+            save_tokenizer(tok, tok_dir)
+            log(f"tokenizer: {tok.get_vocab_size()} tokens in {time.time() - t0:.0f}s")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        self.eot = self.tokenizer.convert_tokens_to_ids(EOT)
+        code_path = work / "code_tokens.pt"
+        if code_path.exists():
+            self.code = torch.load(code_path)
+        else:
+            names = sorted(self.sources)
+            enc = self.tokenizer._tokenizer.encode_batch([self.sources[f] for f in names])
+            self.code = {
+                f: torch.tensor(e.ids, dtype=torch.int16) for f, e in zip(names, enc, strict=True)
+            }
+            torch.save(self.code, code_path)
+        self.code_tokens = sum(len(v) for v in self.code.values())
+        log(f"code: {len(self.code)} files, {self.code_tokens:,} tokens")
+        self.factory = None
+        self.epochs: dict[int, torch.Tensor] = {}
+        self.epoch_stats: dict[int, dict] = {}
+
+    def render(self, messages, tools) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+    def _examples(self, rng: random.Random, make, budget: int) -> list[list[int]]:
+        out, total = [], 0
+        while total < budget:
+            texts = [self.render(*make(rng)) for _ in range(64)]
+            for e in self.tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
+                out.append(e.ids)
+                total += len(e.ids) + 1
+        return out
+
+    def epoch(self, e: int):
+        """Token stream of epoch ``e`` (int16 tensor), built deterministically and cached."""
+        import torch
+
+        if e in self.epochs:
+            return self.epochs[e]
+        path = self.work / f"epoch_{e}.pt"
+        if path.exists():
+            blob = torch.load(path)
+        else:
+            t0 = time.time()
+            if self.factory is None:
+                self.factory = ExampleFactory(self.sources)
+            rng = random.Random(f"{self.seed}-epoch-{e}")
+            unit = self.code_tokens / MIX["code"]
+            docs = [("code", v.tolist()) for _, v in sorted(self.code.items())]
+            docs += [
+                ("instruct", ids)
+                for ids in self._examples(rng, self.factory.instruct, int(unit * MIX["instruct"]))
+            ]
+            docs += [
+                ("tool", ids)
+                for ids in self._examples(rng, self.factory.tool_use, int(unit * MIX["tool"]))
+            ]
+            rng.shuffle(docs)
+            stats = {k: 0 for k in MIX}
+            counts = {k: 0 for k in MIX}
+            flat = []
+            for kind, ids in docs:
+                flat += ids
+                flat.append(self.eot)
+                stats[kind] += len(ids) + 1
+                counts[kind] += 1
+            blob = {
+                "tokens": torch.tensor(flat, dtype=torch.int16),
+                "stats": {"tokens": stats, "documents": counts},
+            }
+            torch.save(blob, path)
+            log(f"epoch {e} data: {len(flat):,} tokens {stats} in {time.time() - t0:.0f}s")
+        self.epochs[e] = blob["tokens"]
+        self.epoch_stats[e] = blob["stats"]
+        return self.epochs[e]
+
+    def batch(self, step: int, batch: int):
+        """Sequences ``step*batch ...`` of the concatenated epochs, SEQ_LEN+1 tokens each."""
+        import torch
+
+        rows = []
+        for i in range(step * batch, (step + 1) * batch):
+            e = 0
+            while True:
+                n = (len(self.epoch(e)) - 1) // SEQ_LEN
+                if i < n:
+                    break
+                i -= n
+                e += 1
+            rows.append(self.epoch(e)[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1].long())
+        return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_model(name: str, tokenizer, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=tokenizer.convert_tokens_to_ids(EOT),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(EOT),
+        **MODEL_SHAPES[name],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    import torch
+
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train_model(name: str, data: Data, args, steps: int | None) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    hp = dict(TRAIN_DEFAULTS[name])
+    budget = args.target_minutes * 60 if name == "target" else args.draft_minutes * 60
+    if args.smoke:
+        hp.update(warmup=2, batch=2)
+    model = build_model(name, data.tokenizer, args.seed + (0 if name == "target" else 1))
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp["lr"],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    ckpt_path = data.work / f"{name}_ckpt.pt"
+    step, elapsed, losses, planned = 0, 0.0, [], steps
+    timing_start = None
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
+        if planned is None:
+            planned = state["planned_steps"]
+        elif state["planned_steps"] not in (None, planned):
+            sys.exit(
+                f"{ckpt_path} was planned for {state['planned_steps']} steps, not {planned};"
+                " delete it or pass the same step count"
+            )
+        log(f"{name}: resumed at step {step} (planned {planned}, {elapsed:.0f}s done)")
+        if planned is None and step >= 5:
+            timing_start = (step, elapsed)
+    log(
+        f"{name}: {n_params:,} parameters, batch {hp['batch']}x{SEQ_LEN}, peak lr {hp['lr']}, "
+        f"budget {budget:.0f}s, steps {planned or 'planned after warmup'}"
+    )
+
+    def checkpoint():
+        save_checkpoint(
+            ckpt_path,
+            dict(
+                model=model.state_dict(),
+                optimizer=opt.state_dict(),
+                step=step,
+                elapsed=elapsed,
+                losses=losses,
+                planned_steps=planned,
+            ),
+        )
+
+    model.train()
+    last_ckpt = time.time()
+    while planned is None or step < planned:
+        t0 = time.time()
+        if planned is None and timing_start is None and step == min(5, hp["warmup"] - 1):
+            timing_start = (step, elapsed)
+        if planned is None and step == hp["warmup"]:
+            per_step = (elapsed - timing_start[1]) / (step - timing_start[0])
+            planned = max(step + 1, int(step + (budget - elapsed) / per_step))
+            log(f"{name}: {per_step:.2f}s/step -> planned {planned} steps")
+            continue
+        lr = lr_at(step, planned or 10**9, hp["lr"], hp["warmup"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = data.batch(step, hp["batch"])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(round(loss.item(), 4))
+        step += 1
+        elapsed += time.time() - t0
+        if step % args.log_every == 0 or step == planned:
+            recent = losses[-args.log_every :]
+            tps = step * hp["batch"] * SEQ_LEN / max(elapsed, 1e-9)
+            eta = (planned - step) * elapsed / step if planned else float("nan")
+            log(
+                f"{name} step {step}/{planned or '?'} loss {sum(recent) / len(recent):.3f} "
+                f"lr {lr:.2e} {tps:,.0f} tok/s elapsed {elapsed:.0f}s eta {eta:.0f}s"
+            )
+        if time.time() - last_ckpt > args.ckpt_minutes * 60:
+            checkpoint()
+            last_ckpt = time.time()
+    checkpoint()
+    final = losses[-20:]
+    return dict(
+        model=model,
+        params=n_params,
+        steps=planned,
+        batch=hp["batch"],
+        seq_len=SEQ_LEN,
+        tokens_seen=planned * hp["batch"] * SEQ_LEN,
+        peak_lr=hp["lr"],
+        warmup_steps=hp["warmup"],
+        train_seconds=round(elapsed, 1),
+        final_train_loss=round(sum(final) / len(final), 4),
+        budget_seconds=budget,
+        shape=MODEL_SHAPES[name],
+    )
+
+
+def save_model(model, tokenizer_dir: Path, out: Path, tokenizer) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    if out.exists():
+        shutil.rmtree(out)
+    model = model.to(torch.bfloat16)
+    model.config.use_cache = True
+    model.save_pretrained(str(out), safe_serialization=True)
+    eot, im_end = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(IM_END)
+    GenerationConfig(
+        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot
+    ).save_pretrained(str(out))
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["torch_dtype"] = "bfloat16"  # older readers (and the brief) use torch_dtype
+    cfg["rope_theta"] = 10000.0  # older readers expect it at top level
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / f, out / f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help=f"data + checkpoints (default {DEFAULT_WORK}, or ..._smoke with --smoke)",
+    )
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--target-minutes",
+        type=float,
+        default=40.0,
+        help="time budget used to plan the target's step count",
+    )
+    ap.add_argument("--draft-minutes", type=float, default=10.0)
+    ap.add_argument(
+        "--target-steps",
+        type=int,
+        default=None,
+        help="exact optimizer steps for the target (overrides the time budget)",
+    )
+    ap.add_argument("--draft-steps", type=int, default=None)
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny end-to-end run: few files, 3 steps per model"
+    )
+    ap.add_argument("--smoke-files", type=int, default=60)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.target_steps = args.target_steps or 3
+        args.draft_steps = args.draft_steps or 3
+        args.log_every = 1
+    work = args.work_dir or (
+        DEFAULT_WORK.with_name("demo_train_smoke") if args.smoke else DEFAULT_WORK
+    )
+    work.mkdir(parents=True, exist_ok=True)
+    if args.out_dir.resolve() == DEFAULT_OUT.resolve() and args.smoke:
+        sys.exit("refusing to write a smoke model into the bundled assets; pass --out-dir")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    command = "python scripts/train_demo_model.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    data = Data(args, work)
+    for e in range(1 if args.smoke else 2):  # the full run uses about 1.5 epochs
+        data.epoch(e)
+    prep_seconds = time.time() - t_start
+    results = {}
+    for name, steps in (("target", args.target_steps), ("draft", args.draft_steps)):
+        res = train_model(name, data, args, steps)
+        model = res.pop("model")
+        save_model(model, work / "tokenizer", args.out_dir / name, data.tokenizer)
+        res["epochs_touched"] = sorted(data.epochs)
+        results[name] = res
+        log(f"{name}: saved to {args.out_dir / name}")
+        del model
+    tokens = {k: sum(data.epoch_stats[e]["tokens"][k] for e in data.epoch_stats) for k in MIX}
+    meta = dict(
+        seed=args.seed,
+        command=command,
+        reproduce=(
+            f"python scripts/train_demo_model.py --seed {args.seed} --target-steps "
+            f"{results['target']['steps']} --draft-steps {results['draft']['steps']}"
+            + (" --smoke" if args.smoke else "")
+        ),
+        smoke=args.smoke,
+        torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+        tokenizers=__import__("tokenizers").__version__,
+        threads=args.threads,
+        hardware=f"{os.cpu_count()}-core CPU, no GPU",
+        wall_seconds_total=round(time.time() - t_start, 1),
+        wall_seconds_data_prep=round(prep_seconds, 1),
+        tokenizer=dict(
+            type="byte-level BPE",
+            vocab_size=len(data.tokenizer),
+            special_tokens=SPECIAL_TOKENS,
+            added_tokens=TOOL_TOKENS,
+        ),
+        mix_target_share=MIX,
+        data_tokens_built={"epochs": sorted(data.epoch_stats), **tokens},
+        models=results,
+        corpus=data.meta,
+    )
+    (args.out_dir / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"done in {time.time() - t_start:.0f}s; reproduce with: {meta['reproduce']}")
+
+
+if __name__ == "__main__":
+    main()

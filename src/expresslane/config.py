@@ -1,0 +1,65 @@
+"""Typed configuration. `EngineConfig` is what `LLM(**options)` and `expresslane serve` flags
+fill in; defaults suit the bundled demo model on a small CPU machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from expresslane.errors import InvalidRequestError
+
+DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo" / "target"
+DEMO_DRAFT_DIR = Path(__file__).parent / "assets" / "demo" / "draft"
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # Hugging Face-format directory; None: the bundled demo model
+    tokenizer: str | None = None  # defaults to the model directory
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str = "auto"  # "auto": the checkpoint's dtype, or float32 on CPUs without fast bf16
+    max_model_len: int | None = None  # default: min(config's max positions, 8192)
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb
+    max_batch: int = 64  # max sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step (prefill chunk size)
+    enable_prefix_caching: bool = True
+    seed: int | None = None
+    speculative: dict | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+
+    @classmethod
+    def from_options(cls, model: str | None, options: dict) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown option(s) {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **options)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else DEMO_MODEL_DIR
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+        from expresslane.models.layers import onednn_prepack_supported
+
+        name = self.dtype if self.dtype != "auto" else checkpoint_dtype
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                 "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name)
+        if dtype is None:
+            raise InvalidRequestError(f"unknown dtype {name!r}; use bfloat16, float16 or float32")
+        if self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32:
+            # Without AVX-512/AMX, CPU half-precision matmuls run several times slower than
+            # float32 ones; weights are upcast then.
+            if not onednn_prepack_supported(dtype):
+                dtype = torch.float32
+        return dtype

@@ -1,0 +1,149 @@
+"""`AsyncEngine`: the engine's step loop on a background thread, per-request async streams.
+
+The model step runs on its own thread (PyTorch releases the GIL while it computes), so the
+server's event loop stays responsive. Requests are validated and tokenized on the caller's
+side (`make_request`), so bad input fails fast with an `InvalidRequestError` and never reaches
+the loop. `abort(request_id)` takes effect before the next step: the request's KV blocks are
+released and its stream ends with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from expresslane.engine.engine import LLMEngine
+from expresslane.engine.output import RequestOutput
+from expresslane.engine.request import Request
+from expresslane.sampling_params import SamplingParams
+
+log = logging.getLogger("expresslane.engine")
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the finished output."""
+
+    def __init__(self, request: Request, engine: AsyncEngine):
+        self.request = request
+        self.request_id = request.request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                self.finished = out.finished
+                yield out
+        finally:
+            if not self.finished:  # the consumer went away (client disconnect, cancel)
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Validate and enqueue; must be called from a running event loop."""
+        req = self.engine.make_request(prompt, params, request_id, priority, add_special_tokens)
+        stream = RequestStream(req, self)
+        with self._lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in flight")
+            self._streams[req.request_id] = (stream, asyncio.get_running_loop())
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def generate(self, prompt, params: SamplingParams, **kwargs) -> AsyncIterator[RequestOutput]:
+        async for out in self.submit(prompt, params, **kwargs):
+            yield out
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort whatever is in flight and stop the loop thread."""
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- the loop thread ----------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                entry = self._streams.get(out.request_id)
+                if entry is not None and out.finished:
+                    del self._streams[out.request_id]
+            if entry is not None:
+                stream, loop = entry
+                try:
+                    loop.call_soon_threadsafe(stream._queue.put_nowait, out)
+                except RuntimeError:
+                    pass  # that event loop is closed; nobody is listening
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                try:
+                    self.engine.add(item)
+                except ValueError as e:
+                    self.engine.outputs.finish(item, "error")
+                    outputs.append(self.engine.outputs.make_output(item, 0, error=str(e)))
+            else:
+                out = self.engine.abort(item)
+                if out is not None:
+                    outputs.append(out)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            self._deliver(self._drain_inbox())
+            if not eng.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # a bug must not hang every client: fail them all
+                log.exception("engine step failed")
+                outputs = eng.fail_all(f"internal engine error: {type(e).__name__}")
+            self._deliver(outputs)
+        self._deliver(self._drain_inbox())

@@ -1,0 +1,97 @@
+"""A request's life inside the engine: its tokens, its KV blocks, its timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from expresslane.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Engine-side timings in seconds (time.perf_counter clock) and derived speeds."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+class Request:
+    """Token ids are kept as one list: the prompt, then the output as it grows."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        prompt: str | None = None,
+        max_tokens: int,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.priority = priority  # lower is scheduled first (the vLLM convention)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.min_tokens_ids = frozenset(params.stop_token_ids) | eos_token_ids
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks
+        self.metrics = RequestMetrics(arrival=time.perf_counter())
+        self.generator: torch.Generator | None = None
+        self.logprobs: list[dict] = []
+        self.detok = None  # set by the engine's output processor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.metrics.arrival)

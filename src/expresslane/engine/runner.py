@@ -1,0 +1,110 @@
+"""Turns a scheduled batch into model inputs, runs the forward pass and samples.
+
+Input preparation is plain NumPy over the requests' block tables (cheap at any batch size).
+Tokens are ordered: single-token sequences (decodes, and prompts with one token left) first,
+attended as one padded batch, then prompt chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from expresslane.engine.request import Request
+from expresslane.engine.sampler import SampleResult, Sampler
+from expresslane.models.attention import AttentionMetadata, PrefillChunk
+from expresslane.models.config import ModelConfig
+from expresslane.models.llama import LlamaModel
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, seed: int | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        slots = num_blocks * block_size
+        self.kv_caches = [
+            torch.zeros(2, cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        ]
+        model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(device, seed)
+
+    def _slots(self, req: Request, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        table = np.asarray(req.block_ids, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, items: list[tuple[Request, int]]):
+        """Order the batch and build (input_ids, positions, metadata, logits rows, sampled reqs)."""
+        decodes = [(r, n) for r, n in items if n == 1]
+        chunks = [(r, n) for r, n in items if n > 1]
+        ordered = decodes + chunks
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+        prefills: list[PrefillChunk] = []
+        for req, n in ordered:
+            start = req.num_computed_tokens
+            end = start + n
+            row0 = len(ids)
+            ids.extend(req.token_ids[start:end])
+            positions.append(np.arange(start, end))
+            slot_parts.append(self._slots(req, start, end))
+            if n > 1:
+                ctx = None if start == 0 else torch.from_numpy(self._slots(req, 0, end)).to(self.device)
+                prefills.append(PrefillChunk(row0, n, end, ctx))
+            if end == req.num_tokens:  # the chunk reaches the last known token: sample
+                logits_rows.append(row0 + n - 1)
+                sampled.append(req)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
+            prefills=prefills,
+        )
+        if decodes:
+            self._decode_metadata(meta, [r for r, _ in decodes])
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            sampled,
+        )
+
+    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request]) -> None:
+        bs = self.block_size
+        lens = np.array([r.num_computed_tokens + 1 for r in reqs])
+        L = int(lens.max())
+        nb = -(-L // bs)
+        tables = np.zeros((len(reqs), nb), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.block_ids[:nb])] = r.block_ids[:nb]
+        pos = np.arange(L)
+        slots = tables[:, pos // bs] * bs + pos % bs
+        meta.num_decode_tokens = len(reqs)
+        meta.decode_batch = len(reqs)
+        meta.decode_q_len = 1
+        meta.decode_ctx = L
+        meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
+        if (lens != L).any():
+            pad = pos[None, :] >= lens[:, None]
+            mask = torch.zeros(len(reqs), 1, 1, L, dtype=self.kv_caches[0].dtype)
+            mask.masked_fill_(torch.from_numpy(pad).view(len(reqs), 1, 1, L), float("-inf"))
+            meta.decode_mask = mask.to(self.device)
+
+    @torch.inference_mode()
+    def step(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
+        input_ids, positions, meta, rows, sampled = self.prepare(items)
+        logits = self.model(input_ids, positions, meta, rows)
+        if not sampled:
+            return sampled, None
+        return sampled, self.sampler(logits, sampled)

@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache, in plain PyTorch (runs on CPU and CUDA).
+
+A step's tokens are flattened into one [T, ...] batch. The first `num_decode_tokens` belong to
+"uniform" sequences that each bring `decode_q_len` new tokens (1 for plain decode, k+1 for
+speculative verification); they are attended as one padded batch with a grouped `bmm`, which
+on CPU is 8-15x faster than SDPA for a single query. The remaining tokens are prefill chunks,
+attended one sequence at a time with SDPA.
+
+The KV cache of one layer is a tensor [2, num_kv_heads, num_slots, head_dim]; slot = block id *
+block_size + offset. Every sequence's slots are precomputed once per step by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # index of the chunk's first token in the flattened batch
+    length: int  # tokens in this chunk
+    context_len: int  # tokens in the sequence after this chunk (cached prefix included)
+    slots: torch.Tensor | None  # [context_len] slots to read, None if the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    num_decode_tokens: int = 0
+    decode_q_len: int = 1
+    decode_batch: int = 0
+    decode_slots: torch.Tensor | None = None  # [decode_batch * decode_ctx] flat, padded
+    decode_ctx: int = 0  # padded context length of the decode batch
+    decode_mask: torch.Tensor | None = None  # [decode_batch, q_len, 1, decode_ctx] additive
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention(torch.nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
+        cache = self.kv_cache
+        cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        n_dec = meta.num_decode_tokens
+        if not meta.prefills:
+            return self._decode(q, meta)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if n_dec:
+            out[:n_dec] = self._decode(q[:n_dec], meta)
+        for chunk in meta.prefills:
+            s, e = chunk.start, chunk.start + chunk.length
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], chunk)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        kv = self.kv_cache.index_select(2, meta.decode_slots).view(2, Hkv, B, L, D)
+        # [B*Q, H, D] -> [Hkv, B, Q*G, D]: one matmul batch entry per (kv head, sequence)
+        qg = q.view(B, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, Q * G, D)
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2))
+        if meta.decode_mask is not None:
+            scores = scores.view(Hkv, B, Q, G, L).add_(meta.decode_mask).view(Hkv, B, Q * G, L)
+        probs = torch.softmax(scores * self.scale, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, kv[1])  # [Hkv, B, Q*G, D]
+        return out.view(Hkv, B, Q, G, D).permute(1, 2, 0, 3, 4).reshape(B * Q, Hkv * G * D)
+
+    def _prefill(self, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
+        n = chunk.length
+        if chunk.slots is None:
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        else:
+            kv = self.kv_cache.index_select(2, chunk.slots)
+            keys, values, causal = kv[0], kv[1], False
+            offset = chunk.context_len - n
+            q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= q_pos
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)

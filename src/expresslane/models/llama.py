@@ -1,0 +1,94 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+
+Weights arrive already fused by the loader: one QKV projection and one gate/up projection per
+layer, so a layer is five matmuls. The forward takes a flattened batch of tokens from many
+sequences; per-step attention metadata travels in `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expresslane.models.attention import AttentionMetadata, PagedAttention
+from expresslane.models.config import ModelConfig, rope_inv_freq
+from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
+        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))
+        self.o = Linear(w["o"])
+        self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
+        self.gate_up = Linear(w["gate_up"])
+        self.down = Linear(w["down"])
+        self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.ffn = cfg.intermediate_size
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv(self.input_norm(x))
+        if self.q_norm is None:
+            # RoPE on q and k together: they are adjacent in the fused projection.
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin, D // 2)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(T, H, D)), cos, sin, D // 2)
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, Hkv, D))
+            k = apply_rope(k, cos, sin, D // 2)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
+        x = x + self.o(self.attn(q, k, v, meta))
+        gu = self.gate_up(self.post_norm(x))
+        return x + self.down(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :])
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(weights["embed"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
+        self.lm_head = Linear(weights.get("lm_head", weights["embed"]))
+        self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
+
+    def prepack(self) -> None:
+        """Reorder linear weights for the CPU matmul library (a no-op elsewhere)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
+
+    def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.attn.kv_cache = cache
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns float32 logits for the tokens at `logits_indices` (all tokens if None)."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,91 @@
+"""Load a Hugging Face-format directory (config.json + safetensors, sharded or not) into a
+`LlamaModel`, fusing QKV and gate/up projections on the way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from expresslane.errors import ModelLoadError
+from expresslane.models.config import ModelConfig
+from expresslane.models.llama import LlamaModel
+
+_RENAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.o_proj.weight": "o",
+    "mlp.down_proj.weight": "down",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+_FUSED = {
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise ModelLoadError(
+            f"no weights to load in {model_dir}: expected model.safetensors or the shards listed "
+            f"in model.safetensors.index.json{' (missing: ' + ', '.join(missing) + ')' if missing else ''}"
+        )
+    return files
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                tensors[name] = sf.get_tensor(name)
+    return tensors
+
+
+def fuse_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Map Hugging Face names to the runtime's fused layout, cast to `dtype`."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        return raw[name].to(dtype)
+
+    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for src, dst in _RENAMES.items():
+            if p + src in raw:
+                out[f"layers.{i}.{dst}"] = take(p + src)
+        for dst, parts in _FUSED.items():
+            if dst == "qkv_bias" and p + parts[0] not in raw:
+                continue
+            out[f"layers.{i}.{dst}"] = torch.cat([take(p + s) for s in parts], dim=0)
+    return out
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[LlamaModel, ModelConfig]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    cfg = ModelConfig.from_dir(model_dir)
+    weights = fuse_weights(cfg, read_checkpoint(model_dir), dtype)
+    weights = {k: v.to(device) for k, v in weights.items()}
+    model = LlamaModel(cfg, weights, dtype, max_positions).to(device)
+    if device.type == "cpu":
+        model.prepack()
+    return model.eval(), cfg

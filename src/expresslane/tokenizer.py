@@ -1,0 +1,110 @@
+"""Tokenizer (Hugging Face `tokenizers`), chat template rendering (jinja2, as transformers
+does it) and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from expresslane.errors import InvalidRequestError, ModelLoadError
+
+
+def _token_text(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, config: dict):
+        self._tok = tokenizer
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: prefer "default"
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()))
+        self.chat_template_source = template
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json")
+        cfg_file = path / "tokenizer_config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        return cls(HFTokenizer.from_file(str(file)), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs,
+    ) -> str:
+        if self._template is None:
+            raise InvalidRequestError(
+                "this model has no chat template (tokenizer_config.json has no chat_template); "
+                "use the completions endpoint with a plain prompt",
+                param="messages",
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise InvalidRequestError(f"the chat template rejected these messages: {e}",
+                                      param="messages") from e
+
+    def stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> DecodeStream:
+        """An incremental detokenizer primed with the prompt's tail (for correct spacing)."""
+        return DecodeStream(ids=prompt_ids[-4:], skip_special_tokens=skip_special_tokens)
+
+    def step(self, stream: DecodeStream, token_id: int) -> str:
+        return stream.step(self._tok, token_id) or ""
