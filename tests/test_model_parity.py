@@ -19,9 +19,10 @@ def hf_model(path):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
@@ -29,7 +30,9 @@ def test_prefill_logits_match_transformers(checkpoints, arch):
     path = checkpoints[arch]
     model, cfg = load_model(path, torch.float32, torch.device("cpu"), 512)
     T = 100
-    model.bind_kv_cache([torch.zeros(2, cfg.num_kv_heads, 512, cfg.head_dim) for _ in range(cfg.num_layers)])
+    model.bind_kv_cache(
+        [torch.zeros(2, cfg.num_kv_heads, 512, cfg.head_dim) for _ in range(cfg.num_layers)]
+    )
     ids = torch.tensor(random_prompts(1, T, T + 1)[0])
     meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)])
     ours = model(ids, torch.arange(T), meta)

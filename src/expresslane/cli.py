@@ -7,7 +7,11 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face-format model directory (default: the bundled demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face-format model directory (default: the bundled demo model)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -36,13 +40,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     out = llm.generate([prompt], params)[0]
     print(out.text)
     m = out.metrics
     if args.verbose:
-        print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, ttft={m['ttft']:.3f}s, "
-              f"decode={m['decode_tokens_per_s'] or 0:.1f} tok/s]", file=sys.stderr)
+        print(
+            f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, ttft={m['ttft']:.3f}s, "
+            f"decode={m['decode_tokens_per_s'] or 0:.1f} tok/s]",
+            file=sys.stderr,
+        )
     return 0
 
 

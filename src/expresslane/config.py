@@ -37,7 +37,9 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise InvalidRequestError(f"unknown option(s) {unknown}; known: {sorted(known - {'model'})}")
+            raise InvalidRequestError(
+                f"unknown option(s) {unknown}; known: {sorted(known - {'model'})}"
+            )
         return cls(model=model, **options)
 
     @property
@@ -53,13 +55,19 @@ class EngineConfig:
         from expresslane.models.layers import onednn_prepack_supported
 
         name = self.dtype if self.dtype != "auto" else checkpoint_dtype
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                 "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name)
+        dtype = {
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float32": torch.float32,
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+            "fp32": torch.float32,
+        }.get(name)
         if dtype is None:
             raise InvalidRequestError(f"unknown dtype {name!r}; use bfloat16, float16 or float32")
-        if self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32:
-            # Without AVX-512/AMX, CPU half-precision matmuls run several times slower than
-            # float32 ones; weights are upcast then.
-            if not onednn_prepack_supported(dtype):
-                dtype = torch.float32
+        # Without AVX-512/AMX, CPU half-precision matmuls run several times slower than
+        # float32 ones; the weights are upcast then.
+        upcast = self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32
+        if upcast and not onednn_prepack_supported(dtype):
+            dtype = torch.float32
         return dtype

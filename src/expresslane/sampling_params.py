@@ -38,7 +38,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
             )
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise InvalidRequestError(
                 f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}",
                 param="min_tokens",

@@ -26,7 +26,9 @@ def _raise(message: str):
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class Tokenizer:
@@ -43,8 +45,9 @@ class Tokenizer:
         self.chat_template_source = template
         self._template = None
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -99,8 +102,9 @@ class Tokenizer:
                 **kwargs,
             )
         except jinja2.exceptions.TemplateError as e:
-            raise InvalidRequestError(f"the chat template rejected these messages: {e}",
-                                      param="messages") from e
+            raise InvalidRequestError(
+                f"the chat template rejected these messages: {e}", param="messages"
+            ) from e
 
     def stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> DecodeStream:
         """An incremental detokenizer primed with the prompt's tail (for correct spacing)."""

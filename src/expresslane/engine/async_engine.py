@@ -10,6 +10,7 @@ released and its stream ends with finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -85,7 +86,9 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    async def generate(self, prompt, params: SamplingParams, **kwargs) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams, **kwargs
+    ) -> AsyncIterator[RequestOutput]:
         async for out in self.submit(prompt, params, **kwargs):
             yield out
 
@@ -109,10 +112,8 @@ class AsyncEngine:
                     del self._streams[out.request_id]
             if entry is not None:
                 stream, loop = entry
-                try:
+                with contextlib.suppress(RuntimeError):  # that event loop may be closed
                     loop.call_soon_threadsafe(stream._queue.put_nowait, out)
-                except RuntimeError:
-                    pass  # that event loop is closed; nobody is listening
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []

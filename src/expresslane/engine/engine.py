@@ -44,7 +44,9 @@ class LLMEngine:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len)
         tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
-        self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = (
+            Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        )
         eos = set(mcfg.eos_token_ids) | set(_generation_eos(model_dir))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -54,13 +56,16 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
-            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
+            log.warning(
+                "KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len
+            )
             max_len = capacity
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_batch, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, mcfg, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model, mcfg, num_blocks, config.block_size, self.dtype, self.device, config.seed
+        )
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -79,13 +84,17 @@ class LLMEngine:
         it is safe to call from another thread."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids", param="prompt")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: pass token ids", param="prompt"
+                )
             ids, text = self.tokenizer.encode(prompt, add_special_tokens), prompt
         else:
             ids, text = list(prompt), None
             vocab = self.model_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+                raise InvalidRequestError(
+                    f"token ids must be integers in [0, {vocab})", param="prompt"
+                )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.max_model_len - len(ids)
@@ -174,4 +183,3 @@ class LLMEngine:
             outs.append(self.outputs.make_output(req, 0, error=message))
         self.requests.clear()
         return outs
-

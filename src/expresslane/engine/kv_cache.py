@@ -57,7 +57,11 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(req.token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(
+                chain_hash(
+                    hashes[-1] if hashes else None, tuple(req.token_ids[i * bs : (i + 1) * bs])
+                )
+            )
         return hashes
 
     def acquire_prefix(self, req: Request) -> int:

@@ -33,7 +33,9 @@ class TextState:
     __slots__ = ("stream", "text", "emitted", "holdback")
 
     def __init__(self, tokenizer: Tokenizer, req: Request):
-        self.stream = tokenizer.stream(req.token_ids[: req.num_prompt_tokens], req.params.skip_special_tokens)
+        self.stream = tokenizer.stream(
+            req.token_ids[: req.num_prompt_tokens], req.params.skip_special_tokens
+        )
         self.text = ""
         self.emitted = 0
         self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
@@ -53,7 +55,9 @@ class OutputProcessor:
         if logprob is not None:
             req.logprobs.append(logprob)
         if token in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
-            self._finish(req, "stop", stop_reason=token if token in req.params.stop_token_ids else None)
+            self._finish(
+                req, "stop", stop_reason=token if token in req.params.stop_token_ids else None
+            )
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, "length")
         if self.tokenizer is not None:
@@ -84,12 +88,18 @@ class OutputProcessor:
     def finish(self, req: Request, reason: str) -> None:
         self._finish(req, reason)
 
-    def make_output(self, req: Request, num_new_tokens: int, error: str | None = None) -> RequestOutput:
+    def make_output(
+        self, req: Request, num_new_tokens: int, error: str | None = None
+    ) -> RequestOutput:
         new_ids = req.token_ids[req.num_tokens - num_new_tokens :] if num_new_tokens else []
         new_text = ""
         state: TextState | None = req.detok
         if state is not None:
-            end = len(state.text) if req.is_finished else max(state.emitted, len(state.text) - state.holdback)
+            end = (
+                len(state.text)
+                if req.is_finished
+                else max(state.emitted, len(state.text) - state.holdback)
+            )
             new_text = state.text[state.emitted : end]
             state.emitted = end
         return RequestOutput(
@@ -103,6 +113,8 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens,
             metrics=req.metrics,
             stop_reason=req.stop_reason,
-            new_logprobs=req.logprobs[len(req.logprobs) - num_new_tokens :] if req.logprobs and num_new_tokens else [],
+            new_logprobs=req.logprobs[len(req.logprobs) - num_new_tokens :]
+            if req.logprobs and num_new_tokens
+            else [],
             error=error,
         )

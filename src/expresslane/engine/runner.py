@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from expresslane.engine.request import Request
-from expresslane.engine.sampler import SampleResult, Sampler
+from expresslane.engine.sampler import Sampler, SampleResult
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
@@ -22,8 +22,16 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int | None = None,
+    ):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -60,7 +68,11 @@ class ModelRunner:
             positions.append(np.arange(start, end))
             slot_parts.append(self._slots(req, start, end))
             if n > 1:
-                ctx = None if start == 0 else torch.from_numpy(self._slots(req, 0, end)).to(self.device)
+                ctx = (
+                    None
+                    if start == 0
+                    else torch.from_numpy(self._slots(req, 0, end)).to(self.device)
+                )
                 prefills.append(PrefillChunk(row0, n, end, ctx))
             if end == req.num_tokens:  # the chunk reaches the last known token: sample
                 logits_rows.append(row0 + n - 1)

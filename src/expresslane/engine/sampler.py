@@ -20,7 +20,9 @@ class SampleResult:
     logprobs: list[dict] | None = None  # per row: {"token": lp, "top": [(id, lp), ...]} or None
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus. top_k <= 0 and
     top_p >= 1 leave a row unfiltered."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -70,8 +72,11 @@ class Sampler:
         return SampleResult(token_list, logprobs)
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        rows = [(i, sorted(r.min_tokens_ids)) for i, r in enumerate(reqs)
-                if r.num_output_tokens < r.params.min_tokens and r.min_tokens_ids]
+        rows = [
+            (i, sorted(r.min_tokens_ids))
+            for i, r in enumerate(reqs)
+            if r.num_output_tokens < r.params.min_tokens and r.min_tokens_ids
+        ]
         if not rows:
             return logits
         logits = logits.clone()
@@ -79,9 +84,13 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]
+    ) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(reqs, greedy)], device=dev)
+        temps = torch.tensor(
+            [1.0 if g else r.params.temperature for r, g in zip(reqs, greedy)], device=dev
+        )
         scaled = logits / temps.unsqueeze(1)
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
             top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
@@ -96,7 +105,9 @@ class Sampler:
         greedy_mask = torch.tensor(greedy, device=dev)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
-    def _logprobs(self, logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> list[dict | None]:
+    def _logprobs(
+        self, logits: torch.Tensor, tokens: list[int], reqs: list[Request]
+    ) -> list[dict | None]:
         lp = logits.log_softmax(dim=-1)
         out: list[dict | None] = []
         for i, r in enumerate(reqs):

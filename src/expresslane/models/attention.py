@@ -23,7 +23,9 @@ class PrefillChunk:
     start: int  # index of the chunk's first token in the flattened batch
     length: int  # tokens in this chunk
     context_len: int  # tokens in the sequence after this chunk (cached prefix included)
-    slots: torch.Tensor | None  # [context_len] slots to read, None if the chunk is the whole context
+    slots: (
+        torch.Tensor | None
+    )  # [context_len] slots to read, None if the chunk is the whole context
 
 
 @dataclass

@@ -44,9 +44,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        if not Path(model_dir).is_dir():
+            raise ModelLoadError(f"model directory {model_dir} does not exist")
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ModelLoadError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
+            raise ModelLoadError(
+                f"{model_dir} has no config.json; expected a Hugging Face model directory"
+            )
         raw = json.loads(path.read_text())
         return cls.from_dict(raw, model_dir)
 

@@ -40,7 +40,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self._packed, self.bias, "none", [None], ""
+            )
         return F.linear(x, self.weight, self.bias)
 
 
@@ -77,5 +79,7 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int
+) -> torch.Tensor:
     return torch.addcmul(x * cos, torch.roll(x, half, dims=-1), sin_signed)

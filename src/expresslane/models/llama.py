@@ -39,7 +39,9 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(self.input_norm(x))
         if self.q_norm is None:
             # RoPE on q and k together: they are adjacent in the fused projection.
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin, D // 2)
+            qk = apply_rope(
+                qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin, D // 2
+            )
             q, k = qk[:, :H], qk[:, H:]
         else:
             q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(T, H, D)), cos, sin, D // 2)
@@ -53,13 +55,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int,
     ):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(weights["embed"], requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            DecoderLayer(
+                cfg,
+                {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)

@@ -38,10 +38,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         raise ModelLoadError(
-            f"no weights to load in {model_dir}: expected model.safetensors or the shards listed "
-            f"in model.safetensors.index.json{' (missing: ' + ', '.join(missing) + ')' if missing else ''}"
+            f"no weights to load in {model_dir}: expected model.safetensors or the shards "
+            f"listed in model.safetensors.index.json{_missing_note(missing)}"
         )
     return files
+
+
+def _missing_note(missing: list[str]) -> str:
+    return f" (missing: {', '.join(missing)})" if missing else ""
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -53,7 +57,9 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def fuse_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def fuse_weights(
+    cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Map Hugging Face names to the runtime's fused layout, cast to `dtype`."""
 
     def take(name: str) -> torch.Tensor:
