@@ -68,3 +68,15 @@ def test_greedy_matches_transformers(checkpoints, arch, options):
     if options.get("enable_prefix_caching", True):
         assert all(o.num_cached_tokens >= 16 for o, p in zip(again, prompts) if len(p) > 16)
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, llama_dir):
+    """On CPU, dtype="auto" may keep bf16 linear weights for the small-batch kernel; the
+    result must equal float32 compute over the same (bf16-rounded) weights."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    prompts = random_prompts(4, 5, 40, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    auto = LLM(str(tmp_path / "bf16")).generate(prompts, params)
+    fp32 = LLM(str(tmp_path / "bf16"), dtype="float32").generate(prompts, params)
+    assert [o.token_ids for o in auto] == [o.token_ids for o in fp32]

@@ -51,23 +51,30 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    def dtypes(
+        self, checkpoint_dtype: str, device: torch.device
+    ) -> tuple[torch.dtype, torch.dtype]:
+        """(compute dtype, linear weight storage dtype)."""
         from expresslane.models.layers import onednn_prepack_supported
 
         name = self.dtype if self.dtype != "auto" else checkpoint_dtype
-        dtype = {
-            "bfloat16": torch.bfloat16,
-            "float16": torch.float16,
-            "float32": torch.float32,
-            "bf16": torch.bfloat16,
-            "fp16": torch.float16,
-            "fp32": torch.float32,
-        }.get(name)
+        dtype = _DTYPES.get(name)
         if dtype is None:
             raise InvalidRequestError(f"unknown dtype {name!r}; use bfloat16, float16 or float32")
         # Without AVX-512/AMX, CPU half-precision matmuls run several times slower than
-        # float32 ones; the weights are upcast then.
+        # float32 ones: compute in float32, but keep bf16 linear weights for the small-batch
+        # kernel, which reads half the bytes.
         upcast = self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32
         if upcast and not onednn_prepack_supported(dtype):
-            dtype = torch.float32
-        return dtype
+            return torch.float32, dtype if dtype == torch.bfloat16 else torch.float32
+        return dtype, dtype
+
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}

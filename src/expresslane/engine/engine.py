@@ -38,11 +38,13 @@ class LLMEngine:
         model_dir = config.model_dir
         self.device = config.torch_device()
         mcfg = ModelConfig.from_dir(model_dir)
-        self.dtype = config.torch_dtype(mcfg.torch_dtype, self.device)
+        self.dtype, linear_dtype = config.dtypes(mcfg.torch_dtype, self.device)
         max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if mcfg.sliding_window:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len)
+        self.model, self.model_config = load_model(
+            model_dir, self.dtype, self.device, max_len, linear_dtype
+        )
         tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
         self.tokenizer = (
             Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None

@@ -72,14 +72,14 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
-        self.lm_head = Linear(weights.get("lm_head", weights["embed"]))
+        self.lm_head = Linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
 
-    def prepack(self) -> None:
-        """Reorder linear weights for the CPU matmul library (a no-op elsewhere)."""
+    def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
+        """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepack()
+                m.prepare_cpu(compute_dtype)
 
     def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):

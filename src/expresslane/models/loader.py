@@ -58,40 +58,51 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def fuse_weights(
-    cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype
+    cfg: ModelConfig,
+    raw: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    linear_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Map Hugging Face names to the runtime's fused layout, cast to `dtype`."""
+    """Map Hugging Face names to the runtime's fused layout, cast to `dtype` (linear
+    weights to `linear_dtype`, which defaults to `dtype`)."""
+    linear_dtype = linear_dtype or dtype
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, to: torch.dtype = dtype) -> torch.Tensor:
         if name not in raw:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        return raw[name].to(dtype)
+        return raw[name].to(to)
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = take("lm_head.weight")
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    out["lm_head"] = take(head, linear_dtype)
+    linear = {"o", "down"}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for src, dst in _RENAMES.items():
             if p + src in raw:
-                out[f"layers.{i}.{dst}"] = take(p + src)
+                out[f"layers.{i}.{dst}"] = take(p + src, linear_dtype if dst in linear else dtype)
         for dst, parts in _FUSED.items():
             if dst == "qkv_bias" and p + parts[0] not in raw:
                 continue
-            out[f"layers.{i}.{dst}"] = torch.cat([take(p + s) for s in parts], dim=0)
+            to = dtype if dst == "qkv_bias" else linear_dtype
+            out[f"layers.{i}.{dst}"] = torch.cat([take(p + s, to) for s in parts], dim=0)
     return out
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    linear_dtype: torch.dtype | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
+    """`dtype` is the compute dtype; on CPU, `linear_dtype=torch.bfloat16` with a float32
+    `dtype` keeps bf16 linear weights for the small-batch kernel (see `Linear.prepare_cpu`)."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
-    weights = fuse_weights(cfg, read_checkpoint(model_dir), dtype)
+    weights = fuse_weights(cfg, read_checkpoint(model_dir), dtype, linear_dtype)
     weights = {k: v.to(device) for k, v in weights.items()}
     model = LlamaModel(cfg, weights, dtype, max_positions).to(device)
     if device.type == "cpu":
-        model.prepack()
+        model.prepare_cpu(dtype)
     return model.eval(), cfg

@@ -1,0 +1,116 @@
+"""Decode speed: expresslane against transformers `generate`, same weights, same run.
+
+Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt 128 tokens, 64 new
+tokens (EOS ignored). Reports batch-1 decode tokens/s (first token excluded: prefill is timed
+separately) and batch-16/64 throughput (all generated tokens / wall time, prefill included).
+
+    python benchmarks/decode.py [--batches 1,16,64] [--skip-hf]
+
+transformers runs in the checkpoint's dtype (bf16) and, because bf16 matmuls are slow on CPUs
+without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype="auto".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import SMOLLM2_135M, machine, random_checkpoint, save_results
+
+PROMPT, NEW = 128, 64
+
+
+def prompts(batch: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(1, SMOLLM2_135M["vocab_size"], (batch, PROMPT), generator=g).tolist()
+
+
+def bench_expresslane(path, batches: list[int]) -> dict:
+    from expresslane import LLM, SamplingParams
+
+    llm = LLM(str(path), max_model_len=1024, max_batch=max(batches), max_num_batched_tokens=2048)
+    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    llm.generate(prompts(2), sp)  # warm-up
+    out = {"dtype": str(llm.engine.dtype).removeprefix("torch.")}
+    for b in batches:
+        t = time.perf_counter()
+        res = llm.generate(prompts(b), sp)
+        wall = time.perf_counter() - t
+        row = {"throughput": b * NEW / wall}
+        if b == 1:
+            m = res[0].metrics
+            row["decode_tok_s"] = m["decode_tokens_per_s"]
+            row["ttft_s"] = m["ttft"]
+        out[b] = row
+    return out
+
+
+def bench_hf(path, batches: list[int], dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    def run(batch: int, n: int) -> float:
+        ids = torch.tensor(prompts(batch))
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - t
+
+    run(1, 4)  # warm-up
+    out = {"dtype": str(dtype).removeprefix("torch.")}
+    for b in batches:
+        wall = run(b, NEW)
+        row = {"throughput": b * NEW / wall}
+        if b == 1:
+            prefill = min(run(1, 1) for _ in range(2))
+            row["decode_tok_s"] = (NEW - 1) / (wall - prefill)
+            row["ttft_s"] = prefill
+        out[b] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    path = random_checkpoint("smollm2-135m", SMOLLM2_135M)
+    results = {"machine": machine(), "prompt": PROMPT, "new_tokens": NEW}
+    results["expresslane"] = bench_expresslane(path, batches)
+    if not args.skip_hf:
+        results["hf_bf16"] = bench_hf(path, [b for b in batches if b <= 16], torch.bfloat16)
+        results["hf_fp32"] = bench_hf(path, [b for b in batches if b <= 16], torch.float32)
+    print(f"machine: {results['machine']}")
+    print(
+        "| engine | dtype | batch-1 decode tok/s | "
+        + " | ".join(f"batch {b} tok/s" for b in batches)
+        + " |"
+    )
+    print("|---|---|---|" + "---|" * len(batches))
+    for name in ("expresslane", "hf_bf16", "hf_fp32"):
+        r = results.get(name)
+        if not r:
+            continue
+        dec = r.get(1, {}).get("decode_tok_s")
+        cells = [f"{r[b]['throughput']:.0f}" if b in r else "—" for b in batches]
+        print(f"| {name} | {r['dtype']} | {dec:.1f} | " + " | ".join(cells) + " |")
+    ours = results["expresslane"].get(1, {}).get("decode_tok_s")
+    for name in ("hf_bf16", "hf_fp32"):
+        ref = results.get(name, {}).get(1, {}).get("decode_tok_s")
+        if ours and ref:
+            print(f"batch-1 decode ratio vs {name}: {ours / ref:.2f}x")
+    print(f"saved {save_results('decode', results)}")
+
+
+if __name__ == "__main__":
+    main()

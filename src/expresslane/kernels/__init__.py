@@ -1,0 +1,34 @@
+"""Native CPU kernels, compiled on first use with the local C++ compiler (cached by torch in
+~/.cache/torch_extensions). Every kernel has a plain PyTorch reference it is tested against;
+`load()` returns None where the kernel cannot be built or the CPU lacks the instructions."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("expresslane.kernels")
+_SRC = Path(__file__).parent
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled AVX2 module, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="expresslane_cpu_kernels",
+            sources=[str(_SRC / "gemv_cpu.cpp")],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: fall back to PyTorch ops
+        log.warning("CPU kernels unavailable (%s); using PyTorch matmuls", e)
+        return None

@@ -1,0 +1,38 @@
+"""Native kernels against their plain PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expresslane.kernels import cpu_kernels
+from expresslane.models.layers import Linear
+
+kernels = cpu_kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n, k", [(64, 64), (131, 96), (37, 203)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_float32_reference(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    ref = F.linear(x, w.float(), b)
+    torch.testing.assert_close(kernels.bf16_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+def test_linear_uses_the_kernel_for_small_batches_only():
+    w = torch.randn(96, 64).bfloat16()
+    lin = Linear(w.clone(), torch.randn(96))
+    bias = lin.bias.data.clone()
+    lin.prepare_cpu(torch.float32)
+    assert lin._bf16_kernel is not None
+    for m in (1, Linear.SMALL_BATCH, Linear.SMALL_BATCH + 5):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
