@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from expresslane import LLM, SamplingParams
+from expresslane.kernels import cpu_kernels
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
@@ -70,13 +71,17 @@ def test_greedy_matches_transformers(checkpoints, arch, options):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, llama_dir):
-    """On CPU, dtype="auto" may keep bf16 linear weights for the small-batch kernel; the
-    result must equal float32 compute over the same (bf16-rounded) weights."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, checkpoints, arch):
+    """On CPU, dtype="auto" may keep bf16 linear weights for the small-batch kernels (and the
+    C++ decode step); the result must equal float32 compute over the same bf16 weights."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.bfloat16)
     hf.save_pretrained(tmp_path / "bf16")
     prompts = random_prompts(4, 5, 40, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    auto = LLM(str(tmp_path / "bf16")).generate(prompts, params)
-    fp32 = LLM(str(tmp_path / "bf16"), dtype="float32").generate(prompts, params)
-    assert [o.token_ids for o in auto] == [o.token_ids for o in fp32]
+    auto = LLM(str(tmp_path / "bf16"), max_batch=3)  # batches of 3, then 1: mixed lengths
+    fp32 = LLM(str(tmp_path / "bf16"), dtype="float32")
+    if cpu_kernels() is not None:
+        assert auto.engine.model.decode_stack is not None
+    got = auto.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fp32.generate(prompts, params)]

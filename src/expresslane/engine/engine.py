@@ -169,11 +169,10 @@ class LLMEngine:
                 self.outputs.append_token(req, result.token_ids[i], lp)
                 outputs.append(self.outputs.make_output(req, 1))
         for req, _ in batch.items:
+            self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
             if req.is_finished:
                 self.scheduler.remove(req)
                 self.requests.pop(req.request_id, None)
-            else:
-                self.kv.cache_full_blocks(req)
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -74,6 +74,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = Linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
+        self.decode_stack = None
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -84,6 +85,7 @@ class LlamaModel(nn.Module):
     def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attn.kv_cache = cache
+        self.decode_stack = build_decode_stack(self)
 
     @torch.inference_mode()
     def forward(
@@ -96,8 +98,43 @@ class LlamaModel(nn.Module):
         """Returns float32 logits for the tokens at `logits_indices` (all tokens if None)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+        fast = self.decode_stack is not None and meta.num_decode_tokens == x.shape[0]
+        if fast and x.shape[0] <= Linear.SMALL_BATCH and meta.decode_q_len == 1:
+            x = self.decode_stack.forward(
+                x, cos, sin, meta.slot_mapping, meta.decode_slots, meta.decode_ctx, meta.decode_mask
+            )
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.norm(x)).float()
+
+
+def build_decode_stack(model: LlamaModel):
+    """The C++ decode step (kernels/decode_cpu.cpp) when every linear layer runs the bf16 CPU
+    kernel; None otherwise (then the Python layers run)."""
+    layers = model.layers
+    linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if not linears or any(m._bf16_kernel is None for m in linears):
+        return None
+    from expresslane.kernels import cpu_kernels
+
+    cfg = model.cfg
+    stack = cpu_kernels().DecodeStack(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+    )
+    for layer in layers:
+        stack.add_layer(
+            layer.input_norm.weight,
+            layer.post_norm.weight,
+            None if layer.q_norm is None else layer.q_norm.weight,
+            None if layer.k_norm is None else layer.k_norm.weight,
+            layer.qkv._bf16,
+            layer.qkv.bias,
+            layer.o._bf16,
+            layer.gate_up._bf16,
+            layer.down._bf16,
+            layer.attn.kv_cache,
+        )
+    return stack
