@@ -59,6 +59,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """Whether the step loop thread is running."""
+        return self._thread.is_alive() and not self._stop
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

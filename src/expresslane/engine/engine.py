@@ -18,6 +18,8 @@ from expresslane.errors import ContextLengthExceeded, InvalidRequestError
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
+from expresslane.spec import make_proposer
+from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
 
 log = logging.getLogger("expresslane.engine")
@@ -71,6 +73,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.proposer, self.spec_tokens = (None, 0)
+        if config.speculative:
+            self.proposer, self.spec_tokens = make_proposer(config.speculative)
+        self.spec_stats = SpecStats()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -151,6 +157,8 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
@@ -159,21 +167,52 @@ class LLMEngine:
         for req, _ in batch.items:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
-        sampled, result = self.runner.step(batch.items)
+        samples, result = self.runner.step(batch.items)
         for req, n in batch.items:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.draft_ids)
         outputs: list[RequestOutput] = []
-        if result is not None:
-            for i, req in enumerate(sampled):
-                lp = result.logprobs[i] if result.logprobs else None
-                self.outputs.append_token(req, result.token_ids[i], lp)
-                outputs.append(self.outputs.make_output(req, 1))
+        row = 0
+        for req, rows in samples:
+            accepted = self._accept(req, result, row, rows)
+            row += rows
+            outputs.append(self.outputs.make_output(req, accepted))
         for req, _ in batch.items:
             self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
             if req.is_finished:
                 self.scheduler.remove(req)
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _accept(self, req: Request, result, row: int, rows: int) -> int:
+        """Append the sampled token, or for speculation the guesses the model agrees with
+        plus its own next token. Returns how many tokens were appended."""
+        drafts, req.draft_ids = req.draft_ids, []
+        appended = 0
+        for j in range(rows):
+            token = result.token_ids[row + j]
+            lp = result.logprobs[row + j] if result.logprobs else None
+            self.outputs.append_token(req, token, lp)
+            appended += 1
+            if req.is_finished or j == len(drafts) or token != drafts[j]:
+                break
+        if drafts:
+            # KV is valid up to the last accepted guess; roll back the rest.
+            req.num_computed_tokens += appended - 1
+            self.kv.trim(req, req.num_computed_tokens)
+            self.spec_stats.record(len(drafts), appended - 1)
+        return appended
+
+    def _propose(self) -> None:
+        """Guess the next tokens of greedy requests that are decoding."""
+        k = self.spec_tokens
+        for req in self.scheduler.running:
+            p = req.params
+            decoding = req.num_computed_tokens == req.num_tokens - 1
+            if not decoding or not p.greedy or req.num_output_tokens < p.min_tokens:
+                continue
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            if room > 1:
+                req.draft_ids = self.proposer.propose(req.token_ids, min(k, room - 1))
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (used when a step raised)."""

@@ -72,6 +72,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
+        self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []

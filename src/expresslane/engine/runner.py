@@ -50,33 +50,35 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, items: list[tuple[Request, int]]):
-        """Order the batch and build (input_ids, positions, metadata, logits rows, sampled reqs)."""
+        """Order the batch and build (input_ids, positions, metadata, logits rows, samples).
+
+        `samples` lists (request, rows): the request's last known token is sampled, plus one
+        row per speculative guess in `draft_ids` (those tokens are scored in the same pass)."""
         decodes = [(r, n) for r, n in items if n == 1]
         chunks = [(r, n) for r, n in items if n > 1]
-        ordered = decodes + chunks
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
         logits_rows: list[int] = []
-        sampled: list[Request] = []
+        samples: list[tuple[Request, int]] = []
         prefills: list[PrefillChunk] = []
-        for req, n in ordered:
+        for req, n in decodes + chunks:
             start = req.num_computed_tokens
             end = start + n
             row0 = len(ids)
-            ids.extend(req.token_ids[start:end])
+            tokens = req.token_ids[start:end]
+            ids.extend(tokens)
+            ids.extend(req.draft_ids[: n - len(tokens)])
             positions.append(np.arange(start, end))
             slot_parts.append(self._slots(req, start, end))
             if n > 1:
-                ctx = (
-                    None
-                    if start == 0
-                    else torch.from_numpy(self._slots(req, 0, end)).to(self.device)
-                )
+                ctx = None if start == 0 else self._slots(req, 0, end)
+                ctx = None if ctx is None else torch.from_numpy(ctx).to(self.device)
                 prefills.append(PrefillChunk(row0, n, end, ctx))
-            if end == req.num_tokens:  # the chunk reaches the last known token: sample
-                logits_rows.append(row0 + n - 1)
-                sampled.append(req)
+            if end >= req.num_tokens:  # reaches the last known token: sample from there on
+                first = row0 + (req.num_tokens - 1 - start)
+                logits_rows.extend(range(first, row0 + n))
+                samples.append((req, row0 + n - first))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
             prefills=prefills,
@@ -89,7 +91,7 @@ class ModelRunner:
             torch.from_numpy(np.concatenate(positions)).to(dev),
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            sampled,
+            samples,
         )
 
     def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request]) -> None:
@@ -114,9 +116,12 @@ class ModelRunner:
             meta.decode_mask = mask.to(self.device)
 
     @torch.inference_mode()
-    def step(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
-        input_ids, positions, meta, rows, sampled = self.prepare(items)
+    def step(
+        self, items: list[tuple[Request, int]]
+    ) -> tuple[list[tuple[Request, int]], SampleResult | None]:
+        input_ids, positions, meta, rows, samples = self.prepare(items)
         logits = self.model(input_ids, positions, meta, rows)
-        if not sampled:
-            return sampled, None
-        return sampled, self.sampler(logits, sampled)
+        if not samples:
+            return samples, None
+        row_reqs = [req for req, n in samples for _ in range(n)]
+        return samples, self.sampler(logits, row_reqs)

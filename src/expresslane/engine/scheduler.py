@@ -62,7 +62,9 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo + len(req.draft_ids), budget)
+            del req.draft_ids[max(0, n - todo) :]  # guesses beyond the budget are dropped
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(order, scheduled)
                 self._preempt(victim)
@@ -103,6 +105,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_ids = []
         self.kv.release(req)
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1

@@ -1,0 +1,25 @@
+"""Prompt-lookup proposer: find the most recent earlier occurrence of the last n tokens in
+the prompt and output so far, and propose what followed it. Strong when the output copies
+from the input (code edits, quoting, refactors); free to compute."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids)
+        L = len(tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(tokens[: L - 1], n)  # earlier n-grams only
+            hits = np.flatnonzero((windows == tokens[L - n :]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
