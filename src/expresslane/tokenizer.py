@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream

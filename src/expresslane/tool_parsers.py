@@ -150,7 +150,7 @@ class MistralToolParser(ToolParser):
     needs_special_tokens = True
 
     def parse_calls(self, region: str) -> list[ToolCall] | None:
-        body = region[len("[TOOL_CALLS]"):].strip()
+        body = region[len("[TOOL_CALLS]") :].strip()
         if body.startswith("["):  # [TOOL_CALLS][{...}, {...}]
             try:
                 obj, _ = json.JSONDecoder().raw_decode(body)
@@ -198,13 +198,13 @@ class ToolCallStreamer:
             idx = min(starts)[0]
             head = self.pending[:idx]
             out = head.rstrip()
-            self.dropped = head[len(out):]
+            self.dropped = head[len(out) :]
             self.region, self.pending = self.pending[idx:], ""
             return out
         keep = self._partial_marker_len()
         emit_upto = len(self.pending) - keep
         stripped = self.pending[:emit_upto].rstrip()
-        out, self.pending = stripped, self.pending[len(stripped):]
+        out, self.pending = stripped, self.pending[len(stripped) :]
         return out
 
     def _feed_anchored(self) -> str:

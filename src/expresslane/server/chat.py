@@ -1,0 +1,204 @@
+"""POST /v1/chat/completions: plain and streamed, tools -> tool_calls, logprobs, n choices,
+`stream_options.include_usage` (a final chunk with `choices: []` and the usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from expresslane.server.chat_choice import Choice, chat_usage, check_finished
+from expresslane.server.errors import APIError, invalid
+from expresslane.server.generation import make_params, merged, submit_all
+from expresslane.server.prompt import chat_messages, render, template_tools
+from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
+from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.state import ServerState, get_state
+from expresslane.server.tiers import canonical_tier
+
+router = APIRouter()
+NAMES = {"max_tokens": "max_completion_tokens", "prompt": "messages", "logprobs": "top_logprobs"}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    received = time.perf_counter()
+    state: ServerState = get_state(request)
+    model = state.check_model(body.model)
+    check_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    tier = canonical_tier(body.service_tier)
+    messages = chat_messages(body.messages)
+    tools = [
+        {
+            "name": t.function.name,
+            "description": t.function.description,
+            "parameters": t.function.parameters,
+        }
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    forced = None
+    if not isinstance(choice, str):
+        forced = choice.function.name
+        if forced not in {t["name"] for t in tools}:
+            raise invalid(
+                f"tool_choice names the function {forced!r}, which is not in 'tools'.",
+                param="tool_choice.function.name",
+            )
+    elif choice == "required" and not tools:
+        raise invalid("tool_choice 'required' needs at least one tool.", param="tool_choice")
+    parser = state.tool_parser if tools and choice != "none" else None
+    prefix = parser.forced_prefix(forced) if parser and (forced or choice == "required") else ""
+    prompt = render(
+        state.tokenizer,
+        messages,
+        template_tools(tools) if parser else None,
+        prefix,
+        param="messages",
+    )
+    skip = body.skip_special_tokens
+    if skip is None and parser is not None and parser.needs_special_tokens:
+        skip = False
+    n = body.n or 1
+    names = NAMES if body.max_tokens is None else {**NAMES, "max_tokens": "max_tokens"}
+    params = [
+        make_params(
+            names,
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=None if body.seed is None else body.seed + i,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            skip_special_tokens=skip,
+        )
+        for i in range(n)
+    ]
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    gens = submit_all(
+        state,
+        [prompt] * n,
+        params,
+        tier=tier,
+        request_id=cid,
+        names=names,
+        received=received,
+        add_special_tokens=False,
+    )
+    choices = [
+        Choice(
+            i,
+            parser,
+            prefix,
+            state.tokenizer,
+            bool(body.logprobs),
+            body.parallel_tool_calls is not False,
+        )
+        for i in range(n)
+    ]
+    base = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "service_tier": tier,
+    }
+
+    def abort_all():
+        for g in gens:
+            g.abort()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(_stream(gens, choices, base, include_usage), on_close=abort_all)
+
+    async def collect():
+        async for i, out in merged(gens):
+            check_finished(out)
+            choices[i].add(out)
+
+    task = asyncio.ensure_future(collect())
+    if not await until_disconnected(request, task):
+        return Response(status_code=499)
+    task.result()
+    result = {**base, "object": "chat.completion", "choices": [], "usage": None}
+    for c in choices:
+        c.finish()
+        message = {
+            "role": "assistant",
+            "content": c.text if c.text or not c.calls else None,
+            "refusal": None,
+            "annotations": [],
+        }
+        if c.calls:
+            message["tool_calls"] = c.tool_calls()
+        result["choices"].append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": c.logprobs, "refusal": None} if c.want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    result["usage"] = chat_usage(choices)
+    return JSONResponse(result)
+
+
+async def _stream(gens, choices: list[Choice], base: dict, include_usage: bool):
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+        c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return event(None, {**base, "choices": [c], **extra})
+
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    try:
+        async for i, out in merged(gens):
+            check_finished(out)
+            c = choices[i]
+            text = c.add(out)
+            if text:
+                yield chunk(i, {"content": text}, logprobs=c.take_logprobs())
+            if not out.finished:
+                continue
+            tail = c.finish()
+            if tail:
+                yield chunk(i, {"content": tail}, logprobs=c.take_logprobs())
+            for k, call in enumerate(c.calls):
+                yield chunk(
+                    i,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    },
+                )
+                yield chunk(
+                    i, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]}
+                )
+            yield chunk(
+                i, {}, finish=c.finish_reason, logprobs=c.take_logprobs() if c.pending else None
+            )
+    except APIError as e:
+        yield event(None, e.body())
+        yield DONE
+        return
+    if include_usage:
+        yield event(None, {**base, "choices": [], "usage": chat_usage(choices)})
+    yield DONE

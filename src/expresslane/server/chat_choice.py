@@ -1,0 +1,100 @@
+"""One chat completion choice as its outputs arrive: visible text (tool-call markup held back
+and parsed at the end), tool calls, logprobs; and the usage object for a set of choices."""
+
+from __future__ import annotations
+
+from expresslane.engine.output import RequestOutput
+from expresslane.server.errors import APIError
+from expresslane.server.logprobs import chat_logprobs
+from expresslane.tool_parsers import ToolCall, ToolParser
+
+
+class Choice:
+    """One choice's text, tool calls and logprobs as its outputs arrive."""
+
+    def __init__(
+        self,
+        index: int,
+        parser: ToolParser | None,
+        prefix: str,
+        tokenizer,
+        logprobs: bool,
+        parallel: bool,
+    ):
+        self.index = index
+        self.streamer = parser.streamer() if parser is not None else None
+        if self.streamer is not None and prefix:
+            self.streamer.feed(prefix)
+        self.tokenizer = tokenizer
+        self.want_logprobs = logprobs
+        self.parallel = parallel
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self.logprobs: list[dict] = []
+        self.pending: list[dict] = []
+        self.final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> str:
+        if self.want_logprobs and out.new_logprobs:
+            lps = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs)
+            self.logprobs += lps
+            self.pending += lps
+        if out.finished:
+            self.final = out
+        text = self.streamer.feed(out.new_text) if self.streamer else out.new_text
+        self.text += text
+        return text
+
+    def finish(self) -> str:
+        tail = ""
+        if self.streamer is not None:
+            tail, calls = self.streamer.finish()
+            self.calls = calls if self.parallel else calls[:1]
+        self.text += tail
+        return tail
+
+    def take_logprobs(self) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        lps, self.pending = self.pending, []
+        return {"content": lps, "refusal": None}
+
+    @property
+    def finish_reason(self) -> str:
+        if self.calls:
+            return "tool_calls"
+        return "length" if self.final and self.final.finish_reason == "length" else "stop"
+
+    def tool_calls(self) -> list[dict]:
+        return [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.calls
+        ]
+
+
+def chat_usage(choices: list[Choice]) -> dict:
+    first = choices[0].final
+    n_in = first.num_prompt_tokens if first else 0
+    n_out = sum(c.final.num_output_tokens for c in choices if c.final)
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {
+            "cached_tokens": first.num_cached_tokens if first else 0,
+            "audio_tokens": 0,
+        },
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def check_finished(out: RequestOutput) -> None:
+    if out.finished and out.finish_reason in ("error", "abort"):
+        raise APIError(
+            500, out.error or "the generation ended early", code="server_error", type="server_error"
+        )

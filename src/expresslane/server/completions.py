@@ -1,0 +1,206 @@
+"""POST /v1/completions: a string, strings, token ids or lists of token ids; plain or streamed;
+`n` choices per prompt (index = prompt * n + choice), `echo`, `logprobs` (top-N)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from expresslane.server.errors import APIError, invalid
+from expresslane.server.generation import make_params, merged, submit_all
+from expresslane.server.logprobs import completion_logprobs
+from expresslane.server.schemas import CompletionRequest, check_unsupported
+from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.state import ServerState, get_state
+from expresslane.server.tiers import canonical_tier
+
+router = APIRouter()
+NAMES = {"max_tokens": "max_tokens", "prompt": "prompt", "logprobs": "logprobs"}
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("'prompt' must not be empty.", param="prompt", code="empty_input")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class _Choice:
+    def __init__(self, index: int, echo: str, logprobs: bool):
+        self.index = index
+        self.text = echo
+        self.logprobs = (
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if logprobs
+            else None
+        )
+        self.final = None
+
+    def add(self, tokenizer, out) -> tuple[str, dict | None]:
+        lp = None
+        if self.logprobs is not None and out.new_logprobs:
+            lp = completion_logprobs(tokenizer, out.new_token_ids, out.new_logprobs, len(self.text))
+            for key, values in lp.items():
+                self.logprobs[key] += values
+        self.text += out.new_text
+        if out.finished:
+            self.final = out
+            if out.finish_reason in ("error", "abort"):
+                raise APIError(
+                    500,
+                    out.error or "the generation ended early",
+                    code="server_error",
+                    type="server_error",
+                )
+        return out.new_text, lp
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.final and self.final.finish_reason == "length" else "stop"
+
+
+def _usage(choices: list[_Choice], n: int) -> dict:
+    firsts = [c.final for c in choices[::n] if c.final]  # one per prompt
+    n_in = sum(f.num_prompt_tokens for f in firsts)
+    n_out = sum(c.final.num_output_tokens for c in choices if c.final)
+    cached = sum(f.num_cached_tokens for f in firsts)
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    received = time.perf_counter()
+    state: ServerState = get_state(request)
+    model = state.check_model(body.model)
+    check_unsupported(body)
+    if body.suffix:
+        raise invalid("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise invalid(
+            "'echo' together with 'logprobs' is not supported.",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    n = body.n or 1
+    if body.best_of is not None and body.best_of != n:
+        raise invalid(
+            "'best_of' other than 'n' is not supported.",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    tier = canonical_tier(body.service_tier)
+    prompts = _prompts(body.prompt)
+    all_prompts, params, echoes = [], [], []
+    tok = state.tokenizer
+    for p in prompts:
+        echo = ""
+        if body.echo:
+            echo = p if isinstance(p, str) else (tok.decode(p) if tok is not None else "")
+        for j in range(n):
+            all_prompts.append(p)
+            echoes.append(echo)
+            params.append(
+                make_params(
+                    NAMES,
+                    max_tokens=body.max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    seed=None if body.seed is None else body.seed + j,
+                    stop=body.stop,
+                    stop_token_ids=body.stop_token_ids,
+                    min_tokens=body.min_tokens,
+                    ignore_eos=body.ignore_eos,
+                    logprobs=body.logprobs,
+                    skip_special_tokens=body.skip_special_tokens,
+                )
+            )
+    cid = "cmpl-" + uuid.uuid4().hex
+    gens = submit_all(
+        state, all_prompts, params, tier=tier, request_id=cid, names=NAMES, received=received
+    )
+    choices = [_Choice(i, echoes[i], body.logprobs is not None) for i in range(len(gens))]
+    base = {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+    }
+
+    def abort_all():
+        for g in gens:
+            g.abort()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(
+            _stream(state, gens, choices, base, n, include_usage), on_close=abort_all
+        )
+
+    async def collect():
+        async for i, out in merged(gens):
+            choices[i].add(tok, out)
+
+    task = asyncio.ensure_future(collect())
+    if not await until_disconnected(request, task):
+        return Response(status_code=499)
+    task.result()
+    return JSONResponse(
+        {
+            **base,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": _usage(choices, n),
+        }
+    )
+
+
+async def _stream(state, gens, choices, base, n: int, include_usage: bool):
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(i: int, text: str, lp=None, finish=None) -> str:
+        return event(
+            None,
+            {
+                **base,
+                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
+                **extra,
+            },
+        )
+
+    for c in choices:
+        if c.text:  # echo
+            yield chunk(c.index, c.text)
+    try:
+        async for i, out in merged(gens):
+            text, lp = choices[i].add(state.tokenizer, out)
+            finish = choices[i].finish_reason if out.finished else None
+            if text or lp or finish:
+                yield chunk(i, text, lp, finish)
+    except APIError as e:
+        yield event(None, e.body())
+        yield DONE
+        return
+    if include_usage:
+        yield event(None, {**base, "choices": [], "usage": _usage(choices, n)})
+    yield DONE

@@ -1,0 +1,227 @@
+"""Every error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Validation errors (pydantic), unknown paths (404), wrong methods (405), oversized bodies (413)
+and unexpected exceptions (500, logged, never a traceback in the body) all go through here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from expresslane.errors import ExpresslaneError
+
+log = logging.getLogger("expresslane.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error the API reports to the client as is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code=code)
+
+
+def from_engine_error(e: ExpresslaneError, names: dict[str, str] | None = None) -> APIError:
+    """Map an engine error, renaming engine parameter names (max_tokens, prompt) to the
+    endpoint's own field names (max_output_tokens, input)."""
+    names = names or {}
+    param = names.get(e.param, e.param) if e.param else None
+    message = e.message
+    for engine_name, api_name in names.items():
+        if "_" in engine_name:  # an identifier such as max_tokens, safe to rename in text
+            message = message.replace(engine_name, api_name)
+    return APIError(e.status, message, param=param, code=e.code, type=e.type)
+
+
+def internal_error() -> APIError:
+    return APIError(
+        500,
+        "The server had an error while processing your request; it has been "
+        "logged. Retry, and report it if it persists.",
+        code="server_error",
+        type="server_error",
+    )
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for item in loc:
+        if item == "body" and not parts:
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif "[" in item or item[:1].isupper() or item in ("str", "int", "float", "bool", "none"):
+            continue  # a pydantic union-member tag, not a field
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    def field(err: dict) -> tuple:
+        loc = tuple(err.get("loc", ()))
+        return loc[1:2] if loc[:1] == ("body",) else loc[:1]
+
+    # Of the errors for the first bad field, the deepest says most (union members each
+    # report one; the one that got furthest is usually the one the client meant).
+    same = [e for e in errors if field(e) == field(errors[0])]
+    e = max(same, key=lambda e: len(e.get("loc", ())))
+    kind, param = e.get("type", ""), _param_from_loc(tuple(e.get("loc", ())))
+    if kind == "json_invalid":
+        return invalid(
+            "We could not parse the JSON body of your request: "
+            f"{e.get('ctx', {}).get('error', 'invalid JSON')}. Send a JSON object "
+            "with Content-Type: application/json.",
+            code="invalid_json",
+        )
+    if kind == "extra_forbidden":
+        return invalid(
+            f"Unrecognized request argument supplied: {param}. Remove it; see "
+            "GET /docs for the fields this endpoint accepts.",
+            param=param,
+            code="unknown_parameter",
+        )
+    if kind == "missing":
+        if param is None:
+            return invalid("The request body is missing: send a JSON object.", code="missing_body")
+        return invalid(
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    if param is None:
+        return invalid("The request body must be a JSON object.", code="invalid_type")
+    got = repr(e.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return invalid(
+        f"Invalid value for '{param}': {e.get('msg', 'invalid')} (got {got}).",
+        param=param,
+        code=code,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(ExpresslaneError)
+    async def _engine_error(request: Request, exc: ExpresslaneError):
+        return from_engine_error(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            err = not_found(
+                f"Unknown path {request.method} {request.url.path}; see GET /docs "
+                "for the endpoints this server offers.",
+                code="unknown_url",
+            )
+        elif exc.status_code == 405:
+            err = APIError(
+                405,
+                f"Method {request.method} is not allowed on {request.url.path}.",
+                code="method_not_allowed",
+            )
+        elif exc.status_code == 413:
+            err = APIError(413, str(exc.detail), code="request_too_large")
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return internal_error().response()
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(
+            413,
+            f"The request body is larger than this server's limit of "
+            f"{limit} bytes; send a smaller request.",
+        )
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for HTTP bodies over `limit` bytes (by Content-Length, or counted
+    while the body is read)."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                err = APIError(413, BodyTooLarge(self.limit).detail, code="request_too_large")
+                return await err.response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted, send)

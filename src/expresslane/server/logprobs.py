@@ -1,0 +1,42 @@
+"""Engine logprobs ({"token": lp, "top": [(id, lp), ...]} per token) in the API's shapes."""
+
+from __future__ import annotations
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict]) -> list[dict]:
+    """Chat Completions / Responses form: token, logprob, bytes, top_logprobs."""
+    out = []
+    for tid, lp in zip(token_ids, logprobs, strict=False):
+        e = _entry(tokenizer, tid, lp["token"])
+        e["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.get("top", ())]
+        out.append(e)
+    return out
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], offset: int) -> dict:
+    """Legacy Completions form: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, lp in zip(token_ids, logprobs, strict=False):
+        text = token_text(tokenizer, tid)
+        tokens.append(text)
+        values.append(float(lp["token"]))
+        tops.append({token_text(tokenizer, t): float(v) for t, v in lp.get("top", ())})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

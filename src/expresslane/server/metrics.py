@@ -1,0 +1,223 @@
+"""Prometheus metrics, named as vLLM names them with an `expresslane:` prefix and a `tier` label.
+
+Times are server-side, measured from the moment the server received the request:
+TTFT = received -> first output token ready to send; TPOT (per request) = (e2e - TTFT) /
+(output tokens - 1); ITL = gaps between successive token batches; queue time = engine arrival
+-> first scheduled. Load gauges (running/waiting requests, KV blocks) are read from the engine
+at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from expresslane.engine.output import RequestOutput
+from expresslane.server.tiers import RANKS
+
+P = "expresslane:"
+LABELS = ["model_name", "tier"]
+_TIER_BY_RANK = {rank: tier for tier, rank in RANKS.items()}
+
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+]
+TPOT_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+]
+
+
+class _EngineCollector:
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        eng = self.engine.engine
+        for name, queue, doc in (
+            ("num_requests_running", list(eng.scheduler.running), "Requests in the running batch"),
+            ("num_requests_waiting", list(eng.scheduler.waiting), "Requests waiting to run"),
+        ):
+            g = GaugeMetricFamily(P + name, doc, labels=LABELS)
+            counts = dict.fromkeys(RANKS, 0)
+            for req in queue:
+                tier = _TIER_BY_RANK.get(req.priority, "default")
+                counts[tier] += 1
+            for tier, n in counts.items():
+                g.add_metric([self.model_name, tier], n)
+            yield g
+        used, total = eng.kv.num_used_blocks, eng.kv.num_blocks
+        for name, value, doc in (
+            ("kv_cache_used_blocks", used, "KV cache blocks held by requests"),
+            ("kv_cache_total_blocks", total, "KV cache blocks in the pool"),
+            ("kv_cache_usage_perc", used / total if total else 0.0, "Fraction of KV blocks used"),
+        ):
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Time to first token",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            P + "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Gaps between streamed tokens",
+            LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "End-to-end request latency",
+            LABELS,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            P + "request_queue_time_seconds",
+            "Time waiting to be scheduled",
+            LABELS,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens processed", LABELS, registry=r
+        )
+        self.cached_tokens = Counter(
+            P + "cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            LABELS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Tokens generated", LABELS, registry=r
+        )
+        self.requests = Counter(
+            P + "request_success",
+            "Finished requests by finish reason",
+            LABELS + ["finished_reason"],
+            registry=r,
+        )
+        if engine is not None and hasattr(engine, "engine"):
+            r.register(_EngineCollector(engine, model_name))
+
+    def observe_gap(self, tier: str, seconds: float, tokens: int) -> None:
+        h = self.itl.labels(self.model_name, tier)
+        for _ in range(max(tokens, 1)):
+            h.observe(seconds / max(tokens, 1))
+
+    def observe_aborted(self, tier: str, last: RequestOutput | None) -> None:
+        """A request stopped early (client gone, cancelled): count what it used so far."""
+        labels = (self.model_name, tier)
+        self.requests.labels(*labels, "abort").inc()
+        if last is not None:
+            self.prompt_tokens.labels(*labels).inc(last.num_prompt_tokens)
+            self.cached_tokens.labels(*labels).inc(last.num_cached_tokens)
+            self.generation_tokens.labels(*labels).inc(last.num_output_tokens)
+
+    def observe_finished(
+        self,
+        tier: str,
+        received: float,
+        first_token: float | None,
+        finished: float,
+        out: RequestOutput,
+    ) -> None:
+        labels = (self.model_name, tier)
+        self.requests.labels(*labels, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(*labels).inc(out.num_prompt_tokens)
+        self.cached_tokens.labels(*labels).inc(out.num_cached_tokens)
+        self.generation_tokens.labels(*labels).inc(out.num_output_tokens)
+        self.e2e.labels(*labels).observe(finished - received)
+        if out.metrics.queue_time is not None:
+            self.queue.labels(*labels).observe(out.metrics.queue_time)
+        if first_token is not None:
+            ttft = first_token - received
+            self.ttft.labels(*labels).observe(ttft)
+            n = out.num_output_tokens
+            if n > 1:
+                self.tpot.labels(*labels).observe((finished - received - ttft) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,288 @@
+"""Prompt rendering: Responses input items and chat messages -> chat-template messages -> text.
+
+Template messages are what Hugging Face chat templates expect: `{"role", "content": str}`,
+assistant turns with `tool_calls: [{"id", "type": "function", "function": {"name",
+"arguments": dict}}]`, and `{"role": "tool", "tool_call_id", "name", "content"}` results.
+`developer` becomes `system`. A `function_call` item joins the assistant turn before it, so a
+replayed conversation renders exactly as the model wrote it and the KV prefix cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from expresslane.errors import ExpresslaneError
+from expresslane.server.errors import from_engine_error, invalid
+from expresslane.tool_parsers import ToolCall
+
+TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+MEDIA_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def parse_arguments(text: str) -> dict | str:
+    """Arguments as a dict for the template (it renders them as JSON), or the raw text."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_tools(tools: list[dict]) -> list[dict]:
+    """Function tools in the nested form chat templates expect."""
+    out = []
+    for t in tools:
+        fn = {"name": t["name"]}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def content_text(content: Any, param: str, allow_none: bool = False) -> str:
+    """The text of a message's content: a string, or a list of text parts."""
+    if content is None and allow_none:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(
+            f"'{param}' must be a string or a list of content parts.",
+            param=param,
+            code="invalid_type",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in MEDIA_PARTS:
+            raise invalid(
+                f"'{p}' is a {kind} part, but this model reads text only.",
+                param=p + ".type",
+                code="unsupported_content_type",
+            )
+        else:
+            raise invalid(
+                f'\'{p}\' must be a text part like {{"type": "input_text", "text": "..."}}.',
+                param=p,
+                code="invalid_value",
+            )
+    return "\n".join(texts)
+
+
+def _require_str(item: dict, key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (key != "arguments" and not value):
+        raise invalid(
+            f"'{param}.{key}' is required and must be a non-empty string.",
+            param=f"{param}.{key}",
+            code="invalid_value" if key in item else "missing_required_parameter",
+        )
+    return value
+
+
+def _tool_names(messages: list[dict]) -> dict[str, str]:
+    return {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
+
+
+def _add_call(messages: list[dict], call_id: str, name: str, arguments: str) -> None:
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": parse_arguments(arguments)},
+    }
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def responses_input(
+    input: str | list[dict], context: list[dict], param: str = "input"
+) -> tuple[list[dict], list[dict]]:
+    """Validate Responses input; return (input items as stored/listed, template messages).
+
+    `context` holds the earlier conversation (from previous_response_id), used to check that
+    every function_call_output answers a known call."""
+    if isinstance(input, str) and input:
+        input = [{"type": "message", "role": "user", "content": input}]
+    if not input:
+        raise invalid(
+            "'input' must not be empty: send a string or at least one input item.",
+            param=param,
+            code="empty_input",
+        )
+    items: list[dict] = []
+    messages: list[dict] = []
+    names = _tool_names(context)
+    for i, item in enumerate(input):
+        p = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"'{p}' must be an object (an input item).", param=p, code="invalid_type")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid(
+                    f"'{p}.role' must be one of user, assistant, system, developer; got {role!r}.",
+                    param=f"{p}.role",
+                    code="invalid_value",
+                )
+            text = content_text(item.get("content"), f"{p}.content")
+            part_type = "output_text" if role == "assistant" else "input_text"
+            part = {"type": part_type, "text": text}
+            if role == "assistant":
+                part["annotations"] = []
+            items.append(
+                {
+                    "type": "message",
+                    "id": item.get("id") or new_id("msg"),
+                    "role": role,
+                    "content": [part],
+                    "status": "completed",
+                }
+            )
+            messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call_id = _require_str(item, "call_id", p)
+            name = _require_str(item, "name", p)
+            arguments = _require_str(item, "arguments", p)
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": item.get("id") or new_id("fc"),
+                    "call_id": call_id,
+                    "name": name,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
+            )
+            _add_call(messages, call_id, name, arguments)
+            names[call_id] = name
+        elif kind == "function_call_output":
+            call_id = _require_str(item, "call_id", p)
+            if call_id not in names:
+                raise invalid(
+                    f"No function call with call_id {call_id!r} precedes '{p}'; send "
+                    "the function_call item too, or use previous_response_id.",
+                    param=f"{p}.call_id",
+                    code="invalid_value",
+                )
+            output = item.get("output")
+            text = content_text(output, f"{p}.output")
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": item.get("id") or new_id("fco"),
+                    "call_id": call_id,
+                    "output": output,
+                    "status": "completed",
+                }
+            )
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "name": names[call_id], "content": text}
+            )
+        elif kind == "reasoning":
+            continue  # this model does not reason; replayed reasoning items are dropped
+        else:
+            raise invalid(
+                f"'{p}.type' {kind!r} is not supported; use message, function_call "
+                "or function_call_output items.",
+                param=f"{p}.type",
+                code="unsupported_item_type",
+            )
+    return items, messages
+
+
+def chat_messages(raw: list[dict]) -> list[dict]:
+    """Validate Chat Completions messages into template messages."""
+    messages: list[dict] = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise invalid(
+                f"'{p}.role' must be one of system, developer, user, assistant, tool; "
+                f"got {role!r}.",
+                param=f"{p}.role",
+                code="invalid_value",
+            )
+        text = content_text(m.get("content"), f"{p}.content", allow_none=role == "assistant")
+        msg: dict = {"role": "system" if role == "developer" else role, "content": text}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list):
+                raise invalid(f"'{p}.tool_calls' must be a list.", param=f"{p}.tool_calls")
+            msg["tool_calls"] = []
+            for j, c in enumerate(calls):
+                cp = f"{p}.tool_calls[{j}]"
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict):
+                    raise invalid(f"'{cp}.function' is required.", param=f"{cp}.function")
+                name = _require_str(fn, "name", f"{cp}.function")
+                args = _require_str(fn, "arguments", f"{cp}.function")
+                call_id = c.get("id") if isinstance(c.get("id"), str) else new_id("call")
+                msg["tool_calls"].append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": parse_arguments(args)},
+                    }
+                )
+        if role == "tool":
+            call_id = _require_str(m, "tool_call_id", p)
+            msg["tool_call_id"] = call_id
+            name = _tool_names(messages).get(call_id) or m.get("name")
+            if name:
+                msg["name"] = name
+        messages.append(msg)
+    return messages
+
+
+def output_messages(text: str, calls: list[ToolCall]) -> list[dict]:
+    """The assistant turn a response produced, as template messages."""
+    msg: dict = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": parse_arguments(c.arguments)},
+            }
+            for c in calls
+        ]
+    return [msg]
+
+
+def render(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    prefix: str = "",
+    param: str = "input",
+) -> str:
+    if tokenizer is None:
+        raise invalid(
+            "This model has no tokenizer, so it cannot render chat messages; use "
+            "POST /v1/completions with token ids.",
+            param=param,
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True
+        )
+    except ExpresslaneError as e:
+        raise from_engine_error(e, {"messages": param}) from e
+    return text + prefix

@@ -1,0 +1,283 @@
+"""One Responses API request from validation to its stored result, shared by HTTP, SSE,
+background mode and WebSocket mode.
+
+`prepare_response` validates, resolves `previous_response_id` (the re-rendered conversation
+starts with the same tokens as before, so the KV prefix cache serves them), renders the prompt
+and submits it; any problem raises an `APIError` before a byte is sent. `ResponseJob.run`
+drives the assembler and writes events to an `EventLog` that any number of readers follow
+(the SSE writer, a WebSocket, a resumed background stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from expresslane.server.errors import APIError, invalid
+from expresslane.server.generation import Generation, make_params
+from expresslane.server.prompt import (
+    new_id,
+    output_messages,
+    render,
+    responses_input,
+    template_tools,
+)
+from expresslane.server.response_builder import ResponseAssembler, base_response
+from expresslane.server.schemas import ResponseCreateRequest
+from expresslane.server.state import ServerState
+from expresslane.server.tiers import canonical_tier
+
+log = logging.getLogger("expresslane.server")
+NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class EventLog:
+    """Events of one response as (type, JSON text), numbered from 0; readers follow it."""
+
+    def __init__(self, extra: dict | None = None):
+        self.events: list[tuple[str, str]] = []
+        self.closed = False
+        self.extra = extra or {}
+        self._changed = asyncio.Event()
+
+    def emit(self, event: dict) -> None:
+        event = {**event, "sequence_number": len(self.events), **self.extra}
+        self.events.append((event["type"], json.dumps(event)))
+        self._notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int = -1):
+        i = after + 1
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.closed:
+                return
+            await self._changed.wait()
+
+
+class ResponseJob:
+    def __init__(
+        self,
+        state: ServerState,
+        response: dict,
+        items: list[dict],
+        context: list[dict],
+        new_messages: list[dict],
+        generation: Generation,
+        assembler: ResponseAssembler,
+        log_: EventLog,
+        store: bool,
+    ):
+        self.state = state
+        self.id = response["id"]
+        self.response = response
+        self.items = items
+        self.context = context
+        self.new_messages = new_messages
+        self.gen = generation
+        self.assembler = assembler
+        self.log = log_
+        self.store = store
+        self.task: asyncio.Task | None = None
+        self.full_context: list[dict] | None = None  # set when the response completes
+        self.warmup = False  # WebSocket `generate: false`: prefill only, no output
+
+    @property
+    def background(self) -> bool:
+        return self.response["background"]
+
+    def start(self) -> asyncio.Task:
+        self.state.jobs[self.id] = self
+        self.task = asyncio.get_running_loop().create_task(self.run())
+        return self.task
+
+    async def run(self) -> None:
+        final = None
+        try:
+            self.assembler.start()
+            async for out in self.gen:
+                if out.finished:
+                    final = out
+                if not self.warmup:
+                    self.assembler.add(out)
+            error = None
+            if final is not None and final.finish_reason in ("error", "abort"):
+                error = final.error or f"generation ended early ({final.finish_reason})"
+            if self.warmup and error is None:
+                self.assembler.finish_empty(final)
+                self.full_context = self.context + self.new_messages
+            else:
+                self.assembler.finish(final, error)
+            if error is None and not self.warmup:
+                a = self.assembler
+                self.full_context = (
+                    self.context + self.new_messages + output_messages(a.text, a.calls)
+                )
+        except asyncio.CancelledError:
+            self.gen.abort()
+            self.assembler.cancelled()
+            raise
+        except Exception:
+            log.exception("response %s failed", self.id)
+            self.assembler.finish(final, "internal server error")
+        finally:
+            self.log.close()
+            self._persist()
+            self._forget()
+
+    def _persist(self) -> None:
+        status = self.response["status"]
+        if not self.store or (status == "cancelled" and not self.background):
+            return
+        try:
+            self.state.store.put(self.response, self.items, self.full_context or [])
+        except Exception:
+            log.exception("could not store response %s", self.id)
+
+    def _forget(self) -> None:
+        if not self.background:
+            self.state.jobs.pop(self.id, None)
+            return
+        keep = self.state.settings.background_retention_seconds
+        asyncio.get_running_loop().call_later(keep, self.state.jobs.pop, self.id, None)
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            await asyncio.wait({self.task})
+
+
+def _tool_setup(state: ServerState, req: ResponseCreateRequest):
+    tools = [t.model_dump() for t in req.tools or []]
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    forced = None
+    if not isinstance(choice, str):
+        if choice.name not in {t["name"] for t in tools}:
+            raise invalid(
+                f"tool_choice names the function {choice.name!r}, which is not in 'tools'.",
+                param="tool_choice.name",
+                code="invalid_value",
+            )
+        forced, choice = choice.name, choice.model_dump()
+    elif choice == "required" and not tools:
+        raise invalid(
+            "tool_choice 'required' needs at least one tool in 'tools'.",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    use = bool(tools) and choice != "none"
+    parser = state.tool_parser if use else None
+    prefix = ""
+    if parser is not None and (forced or choice == "required"):
+        prefix = parser.forced_prefix(forced)
+    return tools, choice, parser, prefix
+
+
+def resolve_previous(
+    state: ServerState, rid: str | None, local: dict[str, list[dict]] | None = None
+) -> list[dict]:
+    """The conversation a previous_response_id ends, from the connection cache or the store."""
+    if rid is None:
+        return []
+    if local is not None and rid in local:
+        return local[rid]
+    stored = state.store.get(rid)
+    if stored is None or stored.response["status"] not in ("completed", "incomplete"):
+        why = "was not found" if stored is None else f"is {stored.response['status']}"
+        raise invalid(
+            f"Previous response with id '{rid}' {why}; it must be a finished "
+            "response created with store=true (or, over a WebSocket, the latest "
+            "response on the connection). Send the full conversation instead.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored.context
+
+
+def prepare_response(
+    state: ServerState,
+    req: ResponseCreateRequest,
+    *,
+    received: float,
+    local: dict[str, list[dict]] | None = None,
+    extra: dict | None = None,
+    generate: bool = True,
+) -> ResponseJob:
+    model = state.check_model(req.model)
+    store = req.store is not False
+    if req.background and not store:
+        raise invalid("background mode needs store=true.", param="background")
+    tier = canonical_tier(req.service_tier)
+    context = resolve_previous(state, req.previous_response_id, local)
+    items, new_messages = responses_input(req.input if req.input is not None else [], context)
+    tools, choice, parser, prefix = _tool_setup(state, req)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    history = context + new_messages
+    with_logprobs = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
+    skip_special = req.skip_special_tokens
+    if skip_special is None and parser is not None and parser.needs_special_tokens:
+        skip_special = False
+    params = make_params(
+        NAMES,
+        max_tokens=req.max_output_tokens if generate else 1,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=(req.top_logprobs or 0) if with_logprobs else None,
+        skip_special_tokens=skip_special,
+    )
+    rid = new_id("resp")
+    while True:
+        prompt = render(
+            state.tokenizer, system + history, template_tools(tools) if parser else None, prefix
+        )
+        try:
+            gen = Generation(
+                state,
+                prompt,
+                params,
+                tier=tier,
+                request_id=rid,
+                names=NAMES,
+                received=received,
+                add_special_tokens=False,
+            )
+            break
+        except APIError as e:  # truncation=auto drops the oldest turns until the prompt fits
+            if req.truncation != "auto" or e.code != "context_length_exceeded" or len(history) <= 1:
+                raise
+            history = history[1:]
+    response = base_response(
+        rid, req, model=model, tier=tier, tools=tools, tool_choice=choice, store=store
+    )
+    event_log = EventLog(extra)
+    streamer = parser.streamer() if parser is not None else None
+    if streamer is not None and prefix:
+        streamer.feed(prefix)
+    assembler = ResponseAssembler(
+        response, event_log.emit, state.tokenizer, streamer, with_logprobs, req.max_tool_calls
+    )
+    job = ResponseJob(
+        state, response, items, context, new_messages, gen, assembler, event_log, store
+    )
+    job.warmup = not generate
+    return job

@@ -1,0 +1,156 @@
+"""The Responses API over HTTP: create (JSON, SSE, background), retrieve (and resume a
+background stream), delete, cancel, list input items. WebSocket mode is in `websocket.py`."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from expresslane.server.errors import APIError, invalid, not_found
+from expresslane.server.response_job import ResponseJob, prepare_response
+from expresslane.server.schemas import ResponseCreateRequest
+from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.state import ServerState, get_state
+
+router = APIRouter()
+
+
+async def _sse(job: ResponseJob, after: int = -1):
+    async for name, data in job.log.follow(after):
+        yield event(name, data)
+    yield DONE
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponseCreateRequest, request: Request):
+    received = time.perf_counter()
+    state = get_state(request)
+    job = prepare_response(state, body, received=received)
+    snapshot = copy.deepcopy(job.response)
+    job.start()
+    if body.background:
+        if body.stream:
+            return sse_response(_sse(job))  # the job outlives this connection
+        return JSONResponse(snapshot)
+    if body.stream:
+        return sse_response(_sse(job), on_close=job.cancel)
+    if not await until_disconnected(request, job.task):
+        return Response(status_code=499)
+    if job.response["status"] == "failed":
+        raise APIError(
+            500, job.response["error"]["message"], code="server_error", type="server_error"
+        )
+    return JSONResponse(job.response)
+
+
+def _lookup(state: ServerState, response_id: str) -> tuple[ResponseJob | None, dict]:
+    job = state.jobs.get(response_id)
+    if job is not None:
+        return job, job.response
+    stored = state.store.get(response_id)
+    if stored is None:
+        raise not_found(
+            f"No response with id '{response_id}' found; only responses created "
+            "with store=true are kept.",
+            param="response_id",
+            code="response_not_found",
+        )
+    return None, stored.response
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: int | None = None,
+    include: list[str] | None = Query(None, alias="include[]"),
+):
+    state = get_state(request)
+    job, response = _lookup(state, response_id)
+    if not stream:
+        return JSONResponse(response)
+    if job is None:
+        raise invalid(
+            "This response's events are no longer available to stream; retrieve it "
+            "without stream=true.",
+            param="stream",
+        )
+    return sse_response(_sse(job, -1 if starting_after is None else starting_after))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    state = get_state(request)
+    job = state.jobs.get(response_id)
+    if job is not None:
+        job.cancel()
+        await job.wait()
+        state.jobs.pop(response_id, None)
+    deleted = state.store.delete(response_id)
+    if not deleted and job is None:
+        raise not_found(
+            f"No response with id '{response_id}' found.",
+            param="response_id",
+            code="response_not_found",
+        )
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request):
+    state = get_state(request)
+    job, response = _lookup(state, response_id)
+    if not response.get("background"):
+        raise invalid(
+            "Only responses created with background=true can be cancelled.",
+            param="response_id",
+            code="not_background",
+        )
+    if job is not None:
+        job.cancel()
+        await job.wait()
+        response = job.response
+    return JSONResponse(response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    include: list[str] | None = Query(None, alias="include[]"),
+):
+    state = get_state(request)
+    job = state.jobs.get(response_id)
+    if job is not None:
+        items = job.items
+    else:
+        stored = state.store.get(response_id)
+        if stored is None:
+            raise not_found(
+                f"No response with id '{response_id}' found.",
+                param="response_id",
+                code="response_not_found",
+            )
+        items = stored.input_items
+    items = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [it.get("id") for it in items]
+        if after not in ids:
+            raise invalid(f"No input item with id '{after}' in this response.", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }

@@ -1,0 +1,229 @@
+"""Request bodies (pydantic, strict types, unknown fields rejected with 400).
+
+Input items and chat messages stay loosely typed here (`dict`); `prompt.py` checks them one by
+one so an error can name the exact field (`input[2].call_id`).
+Engine extensions (vLLM-style) are accepted on every endpoint: `top_k`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, and `seed`/`stop` on Responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from expresslane.server.errors import invalid
+from expresslane.server.tiers import TierName
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class EngineExtras(Strict):
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    if v is None:
+        return v
+    if len(v) > 16:
+        raise ValueError("metadata holds at most 16 key-value pairs")
+    for key, value in v.items():
+        if len(key) > 64 or len(value) > 512:
+            raise ValueError("metadata keys are at most 64 characters, values at most 512")
+    return v
+
+
+# -- Responses ------------------------------------------------------------------------------
+
+_TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionTool(Strict):
+    """A Responses function tool (flat: name, parameters at the top level)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponseCreateRequest(EngineExtras):
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    background: bool | None = False
+    max_output_tokens: int | None = Field(None, ge=1)
+    max_tool_calls: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    metadata: dict[str, str] | None = None
+    service_tier: TierName | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    text: TextConfig | None = None
+    include: list[str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    context_management: Any = None  # accepted, ignored
+    moderation: Any = None  # accepted, ignored
+    prompt_cache_options: Any = None  # accepted, ignored
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+    _check_metadata = field_validator("metadata")(_check_metadata)
+
+
+class WsResponseCreate(ResponseCreateRequest):
+    """A WebSocket-mode `response.create` message: the create body plus transport fields."""
+
+    type: Literal["response.create"]
+    stream_id: str | None = None
+    generate: bool | None = True
+    event_id: str | None = None
+
+
+# -- Chat Completions -------------------------------------------------------------------------
+
+
+class ChatFunction(Strict):
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: ChatFunction
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class ChatToolChoiceFunction(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(EngineExtras):
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=16)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    service_tier: TierName | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    reasoning_effort: str | None = None  # accepted, ignored (the model does not reason)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    _check_metadata = field_validator("metadata")(_check_metadata)
+
+
+# -- Completions ----------------------------------------------------------------------------
+
+
+class CompletionRequest(EngineExtras):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=16)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    service_tier: TierName | None = None
+    user: str | None = None
+
+
+def check_unsupported(body) -> None:
+    """Fields the API defines but this server cannot honour yet: a clear 400."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name, None):
+            raise invalid(
+                f"'{name}' is not supported by this server yet; omit it or send 0.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if getattr(body, "logit_bias", None):
+        raise invalid(
+            "'logit_bias' is not supported by this server yet.",
+            param="logit_bias",
+            code="unsupported_parameter",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise invalid(
+            "'stream_options' is only allowed when 'stream' is true.",
+            param="stream_options",
+            code="invalid_value",
+        )

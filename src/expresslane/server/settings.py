@@ -1,0 +1,67 @@
+"""Server settings: where to listen, where to keep stored responses, limits.
+
+They come from defaults, then the `[server]` table of the TOML file given with
+`expresslane serve --config FILE`, then the command-line flags.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from expresslane.errors import InvalidRequestError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def default_store_path() -> str:
+    """`$EXPRESSLANE_STORE`, else `$XDG_DATA_HOME/expresslane/responses.sqlite`."""
+    env = os.environ.get("EXPRESSLANE_STORE")
+    if env:
+        return env
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
+    return os.path.join(base, "expresslane", "responses.sqlite")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model directory's name
+    store_path: str | None = None  # SQLite file; ":memory:" keeps nothing; None: default path
+    websocket_max_connection_seconds: float = 3600.0  # WebSocket mode connection lifetime
+    max_body_bytes: int = 16 * 2**20  # request bodies larger than this get 413
+    tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral
+    graceful_shutdown_seconds: float = 30.0  # how long in-flight requests may finish
+    background_retention_seconds: float = 600.0  # finished background jobs kept in memory
+    log_level: str = "info"
+
+    def resolved_store_path(self) -> str:
+        return self.store_path or default_store_path()
+
+    @classmethod
+    def from_toml(cls, path: str | None, **overrides) -> ServerSettings:
+        data: dict = {}
+        if path:
+            with open(path, "rb") as f:
+                data = dict(tomllib.load(f).get("server", {}))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown [server] setting(s) {unknown} in {path}; known: {sorted(known)}"
+            )
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+def engine_options_from_toml(path: str | None) -> dict:
+    """The `[engine]` table of the config file (EngineConfig fields), or {}."""
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        return dict(tomllib.load(f).get("engine", {}))

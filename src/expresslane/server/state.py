@@ -1,0 +1,51 @@
+"""What every route needs: the engine, settings, store, metrics, tool parser, live jobs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from expresslane.server.errors import not_found
+from expresslane.server.metrics import ServerMetrics
+from expresslane.server.settings import ServerSettings
+from expresslane.server.store import ResponseStore
+from expresslane.tool_parsers import ToolParser
+
+
+@dataclass
+class ServerState:
+    engine: object  # AsyncEngine (or anything with its submit/abort/tokenizer surface)
+    settings: ServerSettings
+    store: ResponseStore
+    metrics: ServerMetrics
+    model_name: str
+    tool_parser: ToolParser
+    model_aliases: set[str] = field(default_factory=set)
+    jobs: dict = field(default_factory=dict)  # response id -> ResponseJob (in flight/recent)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return getattr(self.engine, "tokenizer", None)
+
+    @property
+    def max_model_len(self) -> int | None:
+        eng = getattr(self.engine, "engine", None)
+        return getattr(eng, "max_model_len", None)
+
+    def check_model(self, model: str | None) -> str:
+        """The served model's id; 404 for a model this server does not serve."""
+        if model is None or model == self.model_name or model in self.model_aliases:
+            return self.model_name
+        raise not_found(
+            f"The model '{model}' does not exist on this server; it serves "
+            f"'{self.model_name}' (see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,160 @@
+"""Responses API WebSocket mode on `/v1/responses`.
+
+The client sends `{"type": "response.create", ...create body...}` text frames; the server
+answers with the same events as SSE (each echoing `stream_id` when one was given), one
+response at a time: later messages queue in order. The connection keeps the conversation of
+its latest response, so `previous_response_id` works with `store: false`; a failed
+continuation evicts the id it continued from. Errors are `{"type": "error", "status",
+"error": {type, code, message, param}}` and the socket stays open. After
+`websocket_max_connection_seconds` the server sends `websocket_connection_limit_reached` and
+closes (1000); a disconnect aborts the response in flight and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from expresslane.server.errors import APIError, internal_error, invalid, validation_error
+from expresslane.server.response_job import prepare_response
+from expresslane.server.schemas import WsResponseCreate
+from expresslane.server.state import ServerState
+
+router = APIRouter()
+log = logging.getLogger("expresslane.server")
+TRANSPORT_FIELDS = ("stream", "background", "stream_options")
+
+
+class Connection:
+    def __init__(self, state: ServerState, ws: WebSocket):
+        self.state = state
+        self.ws = ws
+        self.deadline = time.monotonic() + state.settings.websocket_max_connection_seconds
+        self.inbox: asyncio.Queue[str] = asyncio.Queue()
+        self.local: dict[str, list[dict]] = {}  # latest response id -> its conversation
+
+    async def send_error(self, err: APIError, extra: dict | None = None) -> None:
+        body = err.body()["error"]
+        await self.ws.send_text(
+            json.dumps({"type": "error", "status": err.status, "error": body, **(extra or {})})
+        )
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read())
+        worker = asyncio.create_task(self._work())
+        done, _ = await asyncio.wait({reader, worker}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (reader, worker):
+            task.cancel()
+        for task in (reader, worker):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _read(self) -> None:
+        with contextlib.suppress(WebSocketDisconnect):
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                if text is None and message.get("bytes") is not None:
+                    text = message["bytes"].decode("utf-8", "replace")
+                if text is not None:
+                    self.inbox.put_nowait(text)
+
+    async def _work(self) -> None:
+        while True:
+            remaining = self.deadline - time.monotonic()
+            try:
+                text = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0))
+            except asyncio.TimeoutError:
+                text = None
+            if text is None or time.monotonic() >= self.deadline:
+                minutes = self.state.settings.websocket_max_connection_seconds / 60
+                await self.send_error(
+                    invalid(
+                        f"This WebSocket connection reached its {minutes:g}-minute limit; open a "
+                        "new connection (continue a store=true chain by previous_response_id, or "
+                        "resend the full conversation).",
+                        code="websocket_connection_limit_reached",
+                    )
+                )
+                await self.ws.close(code=1000)
+                return
+            await self._handle(text)
+
+    async def _handle(self, text: str) -> None:
+        received = time.perf_counter()
+        extra: dict = {}
+        data: dict = {}
+        try:
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise invalid(
+                    f"Could not parse the message as JSON: {e}.", code="invalid_json"
+                ) from e
+            if not isinstance(parsed, dict):
+                raise invalid("A message must be a JSON object.", code="invalid_type")
+            data = parsed
+            if isinstance(data.get("stream_id"), str):
+                extra["stream_id"] = data["stream_id"]
+            kind = data.get("type")
+            if kind != "response.create":
+                raise invalid(
+                    f"Unsupported message type {kind!r}; send 'response.create'.",
+                    param="type",
+                    code="unsupported_event_type",
+                )
+            for name in TRANSPORT_FIELDS:
+                data.pop(name, None)
+            try:
+                req = WsResponseCreate.model_validate(data)
+            except ValidationError as e:
+                raise validation_error(list(e.errors(include_url=False))) from e
+            job = prepare_response(
+                self.state,
+                req,
+                received=received,
+                local=self.local,
+                extra=extra,
+                generate=req.generate is not False,
+            )
+        except APIError as err:
+            self._evict(data)
+            await self.send_error(err, extra)
+            return
+        job.start()
+        try:
+            async for _, event in job.log.follow():
+                await self.ws.send_text(event)
+        finally:
+            job.cancel()
+        await job.wait()
+        if job.full_context is not None:
+            self.local = {job.id: job.full_context}  # keep only the latest response
+        else:
+            self._evict(data)
+
+    def _evict(self, data: dict) -> None:
+        prev = data.get("previous_response_id")
+        if isinstance(prev, str):
+            self.local.pop(prev, None)
+
+
+@router.websocket("/v1/responses")
+async def responses_websocket(ws: WebSocket):
+    await ws.accept()
+    conn = Connection(ws.app.state.server, ws)
+    try:
+        await conn.run()
+    except Exception:
+        log.exception("WebSocket connection failed")
+        with contextlib.suppress(Exception):
+            await conn.send_error(internal_error())
+            await ws.close(code=1011)

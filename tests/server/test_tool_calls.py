@@ -1,0 +1,194 @@
+"""Tool calls end to end, on a scripted engine that replays fixed assistant text (the random
+test model cannot write calls): Responses function_call items and events, Chat tool_calls
+with dense indices through the SDK's stream helper, forced calls, malformed fallback."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+TWO_CALLS = [
+    "I'll check",
+    " both.\n",
+    "<tool_call>",
+    '\n{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}\n',
+    "</tool_call>",
+    "\n<tool_call>\n",
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+]
+
+
+def test_responses_function_calls(scripted_client, scripted):
+    scripted.reply = TWO_CALLS
+    r = scripted_client.responses.create(model="llama", input="Weather?", tools=[WEATHER])
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "I'll check both."
+    calls = r.output[1:]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert all(c.name == "get_weather" and c.call_id.startswith("call_") for c in calls)
+    assert r.status == "completed"
+
+    with scripted_client.responses.stream(
+        model="llama", input="Weather?", tools=[WEATHER]
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "<tool" not in deltas and deltas == "I'll check both."
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1, 2]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments)["city"] for e in done] == ["Paris", "Oslo"]
+    assert [o.type for o in final.output] == [o.type for o in r.output]
+
+    one = scripted_client.responses.create(
+        model="llama", input="Weather?", tools=[WEATHER], parallel_tool_calls=False
+    )
+    assert [o.type for o in one.output] == ["message", "function_call"]
+
+
+def test_tool_call_round_trip_renders_history(scripted_client, scripted):
+    scripted.reply = [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ]
+    r = scripted_client.responses.create(model="llama", input="Weather?", tools=[WEATHER])
+    call = r.output[0]
+    assert call.type == "function_call"
+    scripted.reply = ["It is sunny."]
+    r2 = scripted_client.responses.create(
+        model="llama",
+        previous_response_id=r.id,
+        tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}],
+    )
+    assert r2.output_text == "It is sunny."
+    prompt = scripted.prompts[-1]
+    assert prompt.index("Weather?") < prompt.index("18C")
+    items = scripted_client.responses.input_items.list(r2.id)
+    assert items.data[0].type == "function_call_output"
+
+
+def test_malformed_call_falls_back_to_text(scripted_client, scripted):
+    scripted.reply = ["Sure: ", "<tool_call>\n", '{"name": "get_weather", "arguments": {"ci']
+    scripted.finish_reason = "length"
+    r = scripted_client.responses.create(model="llama", input="x", tools=[WEATHER])
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output_text == 'Sure: <tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert r.status == "incomplete"
+    c = scripted_client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "x"}], tools=[CHAT_WEATHER]
+    )
+    assert c.choices[0].message.tool_calls is None
+    assert c.choices[0].message.content == r.output_text
+    assert c.choices[0].finish_reason == "length"
+
+
+def test_forced_tool_choice_prefills_the_call(scripted_client, scripted):
+    scripted.reply = ['{"city": "Rome"}}\n</tool_call>']
+    r = scripted_client.responses.create(
+        model="llama",
+        input="x",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert scripted.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert r.output[0].type == "function_call"
+    assert json.loads(r.output[0].arguments) == {"city": "Rome"}
+    scripted.reply = ['get_weather", "arguments": {}}\n</tool_call>']
+    r = scripted_client.responses.create(
+        model="llama", input="x", tools=[WEATHER], tool_choice="required"
+    )
+    assert r.output[0].name == "get_weather"
+    with pytest.raises(openai.BadRequestError) as e:
+        scripted_client.responses.create(
+            model="llama",
+            input="x",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "nope"},
+        )
+    assert e.value.param == "tool_choice.name"
+
+
+def test_chat_tool_calls_plain_and_streamed(scripted_client, scripted):
+    scripted.reply = TWO_CALLS
+    kwargs = dict(
+        model="llama", messages=[{"role": "user", "content": "Weather?"}], tools=[CHAT_WEATHER]
+    )
+    c = scripted_client.chat.completions.create(**kwargs)
+    choice = c.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I'll check both."
+    calls = choice.message.tool_calls
+    assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Paris", "Oslo"]
+
+    with scripted_client.chat.completions.stream(**kwargs) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+        final = stream.get_final_completion()
+    indices = [
+        tc.index
+        for ch in chunks
+        for d in [ch.choices[0].delta]
+        if ch.choices
+        for tc in d.tool_calls or ()
+    ]
+    assert sorted(set(indices)) == [0, 1]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content == "I'll check both."
+    fc = final.choices[0].message.tool_calls
+    assert [json.loads(t.function.arguments)["city"] for t in fc] == ["Paris", "Oslo"]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_tool_history_messages(scripted_client, scripted):
+    scripted.reply = ["Done."]
+    c = scripted_client.chat.completions.create(
+        model="llama",
+        tools=[CHAT_WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_9",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_9", "content": "18C"},
+        ],
+    )
+    assert c.choices[0].message.content == "Done."
+    assert "18C" in scripted.prompts[-1]
+
+
+def test_replaying_output_items_as_input(scripted_client, scripted):
+    scripted.reply = [
+        "Checking.",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ]
+    r = scripted_client.responses.create(
+        model="llama", input="Weather?", tools=[WEATHER], store=False
+    )
+    call = r.output[1]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        *[o.model_dump(exclude_none=True) for o in r.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
+    ]
+    scripted.reply = ["Sunny."]
+    r2 = scripted_client.responses.create(model="llama", input=history, tools=[WEATHER])
+    assert r2.output_text == "Sunny."
+    assert scripted.prompts[-1].count("Checking.") == 1
