@@ -19,26 +19,31 @@ Recipe
    ``decode(skip_special_tokens=True)``, as in Qwen2.5). The chat template is ChatML with
    Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``).
 3. Training mix, rebuilt for every epoch with a seed derived from ``--seed`` and the epoch:
-   (a) plain code (about 65% of tokens): the train files, shuffled, each followed by
+   (a) plain code (about 55% of tokens): the train files, shuffled, each followed by
    ``<|endoftext|>``; (b) instructions (about 15%): functions with docstrings extracted with
    ``ast``; the user asks for ``name(args)`` described by the docstring's first paragraph (varied
    phrasings), the assistant answers with the function source in a single ```python block;
-   (c) agent tool use (about 20%): the tools ``read_file``, ``run_tests``, ``write_file`` and
-   ``list_dir`` are offered; the user asks to read / explain / test / fix a real train file or to
-   list a folder; the assistant calls the right tool, a ``tool`` message returns a realistic result
-   (an excerpt of the real file, a real folder listing, a pytest-like summary) and the assistant
-   gives a short grounded answer. All documents are shuffled together, concatenated and cut into
+   (c) agent tool use (about 30%): conversations of 1-3 requests; the tools ``read_file``,
+   ``run_tests``, ``write_file`` and ``list_dir`` are offered; the user asks to read / explain /
+   test / fix a real train file or to list a folder; the assistant calls the right tool, a
+   ``tool`` message returns a realistic result (an excerpt of the real file, a real folder
+   listing, a pytest-like summary) and the assistant gives a short grounded answer. All
+   documents are shuffled together, concatenated and cut into
    windows of 1024 tokens (+1 for the shifted labels). Loss on every token.
 4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
-   2048 positions, trained at sequence length 1024 with bf16 autocast, AdamW (0.9, 0.95, wd 0.1),
+   2048 positions, trained at sequence length 1024 (precision: see 5.), AdamW (0.9, 0.95, wd 0.1),
    linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
    target: d=384, 8 layers, 6 heads (2 KV heads), MLP 1024 (15.7M parameters).
    draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
-5. Budget. Each model trains for a fixed number of optimizer steps. Unless ``--target-steps`` /
-   ``--draft-steps`` are given, the count is planned from a wall-time budget: the warmup steps
-   (whose learning rates do not depend on the total) are timed and the total is set so that the run
-   fills the budget. The steps actually used are written to ``training.json``; passing them back
-   reproduces the same weights from the same seed (same data, same order, same initialization).
+5. Budget. Unless ``--target-steps`` / ``--draft-steps`` (or a recorded ``--*-plan``) are given,
+   the step count is planned from a wall-time budget: the warmup steps (whose learning rates do
+   not depend on the total) are timed and the schedule's end is set to fill the budget; every
+   ``--replan-minutes`` the end is re-estimated from the measured speed (the machine is shared),
+   each change being recorded as ``from_step:total``. ``training.json`` records the steps, the plan
+   and the exact replay command; it reproduces the same weights from the same seed (same data,
+   same order, same initialization, same learning rates).
+   Precision: bf16 autocast where the CPU has native bf16 (AVX512-BF16 / AMX); elsewhere (e.g. an
+   AVX2-only EPYC, where bf16 matmuls are ~30x slower than fp32) training runs in fp32.
 6. Resume. Tokenized data, the tokenizer and a checkpoint (model, optimizer, step, planned steps)
    every ``--ckpt-minutes`` live in ``--work-dir`` (default ``.cache/demo_train``, outside git). A
    rerun with the same flags resumes from the latest checkpoint.
@@ -50,7 +55,9 @@ Usage::
 
     python scripts/train_demo_model.py                      # full run, about 60 min on 2 cores
     python scripts/train_demo_model.py --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
-    python scripts/train_demo_model.py --target-steps N --draft-steps M    # exact reproduction
+    python scripts/train_demo_model.py --target-steps N --draft-steps M    # fixed step counts
+    python scripts/train_demo_model.py --device cuda --target-steps N --draft-steps M  # on a GPU
+      (on a GPU pass step counts or --max-steps: a time budget there buys far too many epochs)
     python scripts/eval_demo_model.py                        # held-out evaluation -> eval.json
 """
 
@@ -82,7 +89,7 @@ SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-MIX = {"code": 0.65, "instruct": 0.15, "tool": 0.20}  # share of training tokens
+MIX = {"code": 0.55, "instruct": 0.15, "tool": 0.30}  # share of training tokens
 
 MODEL_SHAPES = {
     "target": dict(
@@ -101,8 +108,8 @@ MODEL_SHAPES = {
     ),
 }
 TRAIN_DEFAULTS = {  # peak lr, warmup steps, batch (sequences of SEQ_LEN tokens)
-    "target": dict(lr=1.5e-3, warmup=40, batch=4),
-    "draft": dict(lr=3e-3, warmup=40, batch=4),
+    "target": dict(lr=1.5e-3, warmup=30, batch=2),
+    "draft": dict(lr=3e-3, warmup=30, batch=4),
 }
 
 # ChatML + Hermes / Qwen2.5 tool calls. The server's tool-call parser relies on this exact format.
@@ -560,9 +567,9 @@ class ExampleFactory:
     # (c) tool use ---------------------------------------------------------------------------
     def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
         lines = self.sources[rel].splitlines()
-        n = rng.randint(10, 25)
+        n = rng.randint(6, 18)
         text = "\n".join(lines[start : start + n])
-        while len(text) > 1500 and n > 3:
+        while len(text) > 900 and n > 3:
             n -= 3
             text = "\n".join(lines[start : start + n])
         end = start + n
@@ -642,14 +649,19 @@ class ExampleFactory:
         return "\n".join(lines), answer, failed
 
     def tool_use(self, rng: random.Random) -> tuple[list[dict], list[dict]]:
+        """One agent conversation: 1-3 user requests, each served through tool calls."""
+        msgs = self.system(rng)
+        for _ in range(rng.choice([1, 1, 2, 2, 3])):
+            self.exchange(rng, msgs)
+        return msgs, self.tools_for(rng)
+
+    def exchange(self, rng: random.Random, msgs: list[dict]) -> None:
         kind = rng.choices(
             ["read", "explain", "test", "fix", "list", "read2"], weights=[28, 14, 26, 12, 13, 7]
         )[0]
         rel = rng.choice(self.func_files if kind == "fix" else self.files)
         path = self.show_path(rng, rel)
         p = self.quote(rng, path)
-        msgs = self.system(rng)
-        tools = self.tools_for(rng)
         if kind in ("read", "explain"):
             asks = READ_ASKS if kind == "read" else EXPLAIN_ASKS
             msgs.append({"role": "user", "content": rng.choice(asks).format(p=p)})
@@ -742,7 +754,6 @@ class ExampleFactory:
                 msgs.append({"role": "tool", "content": text})
                 answers.append(self.describe_defs(rng, r, pp, a, b))
             msgs.append({"role": "assistant", "content": " ".join(answers)})
-        return msgs, tools
 
 
 # --------------------------------------------------------------------------------------------
@@ -910,15 +921,53 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def train_model(name: str, data: Data, args, steps: int | None) -> dict:
+def parse_plan(text: str) -> list[list[int]]:
+    """'40:612,300:580' -> [[40, 612], [300, 580]]: from step 40 the schedule ends at 612, ..."""
+    return [[int(x) for x in item.split(":")] for item in text.split(",") if item]
+
+
+def format_plan(plan: list[list[int]]) -> str:
+    return ",".join(f"{s}:{t}" for s, t in plan)
+
+
+def total_at(plan: list[list[int]], step: int) -> int | None:
+    totals = [t for s, t in plan if s <= step]
+    return totals[-1] if totals else None
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None) -> dict:
+    """Train one model. ``fixed_plan`` replays a schedule; None plans it from the time budget.
+
+    The schedule is a list of ``[from_step, total_steps]``: the cosine decay of step ``s`` is
+    computed against the last entry whose ``from_step <= s``. An adaptive run adds the first entry
+    when warmup ends (timing the warmup steps) and re-plans every ``--replan-minutes`` from the
+    measured speed, so that a busy machine still finishes near the budget. Replaying the recorded
+    plan reproduces the run exactly.
+    """
     import torch
     import torch.nn.functional as F
 
     hp = dict(TRAIN_DEFAULTS[name])
-    budget = args.target_minutes * 60 if name == "target" else args.draft_minutes * 60
     if args.smoke:
         hp.update(warmup=2, batch=2)
+    for key in ("batch", "lr"):
+        if getattr(args, f"{name}_{key}") is not None:
+            hp[key] = getattr(args, f"{name}_{key}")
+    cuda = args.device.startswith("cuda")
+    budget = args.target_minutes * 60 if name == "target" else args.draft_minutes * 60
+    use_bf16 = args.autocast == "bf16" or (
+        args.autocast == "auto" and (cuda or cpu_has_fast_bf16())
+    )
     model = build_model(name, data.tokenizer, args.seed + (0 if name == "target" else 1))
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -929,57 +978,46 @@ def train_model(name: str, data: Data, args, steps: int | None) -> dict:
         eps=1e-8,
     )
     ckpt_path = data.work / f"{name}_ckpt.pt"
-    step, elapsed, losses, planned = 0, 0.0, [], steps
-    timing_start = None
+    adaptive = fixed_plan is None
+    plan = [list(x) for x in fixed_plan] if fixed_plan else []
+    step, elapsed, losses = 0, 0.0, []
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False, map_location=args.device)
+        if not adaptive and state["plan"] != plan[: len(state["plan"])]:
+            sys.exit(
+                f"{ckpt_path} follows the plan {format_plan(state['plan'])}, not "
+                f"{format_plan(plan)}; delete it or pass the same plan"
+            )
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
-        if planned is None:
-            planned = state["planned_steps"]
-        elif state["planned_steps"] not in (None, planned):
-            sys.exit(
-                f"{ckpt_path} was planned for {state['planned_steps']} steps, not {planned};"
-                " delete it or pass the same step count"
-            )
-        log(f"{name}: resumed at step {step} (planned {planned}, {elapsed:.0f}s done)")
-        if planned is None and step >= 5:
-            timing_start = (step, elapsed)
+        if adaptive:
+            plan = state["plan"]
+        log(f"{name}: resumed at step {step} (plan {format_plan(plan)}, {elapsed:.0f}s done)")
     log(
         f"{name}: {n_params:,} parameters, batch {hp['batch']}x{SEQ_LEN}, peak lr {hp['lr']}, "
-        f"budget {budget:.0f}s, steps {planned or 'planned after warmup'}"
+        f"{'bf16 autocast' if use_bf16 else 'fp32'}, budget {budget:.0f}s, "
+        f"plan {format_plan(plan) or 'after warmup'}"
     )
 
     def checkpoint():
-        save_checkpoint(
-            ckpt_path,
-            dict(
-                model=model.state_dict(),
-                optimizer=opt.state_dict(),
-                step=step,
-                elapsed=elapsed,
-                losses=losses,
-                planned_steps=planned,
-            ),
-        )
+        state = dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step)
+        state.update(elapsed=elapsed, losses=losses, plan=plan)
+        save_checkpoint(ckpt_path, state)
 
     model.train()
     last_ckpt = time.time()
-    while planned is None or step < planned:
+    mark = (step, elapsed)  # speed is measured from here
+    while True:
+        total = total_at(plan, step)
+        if total is not None and step >= total:
+            break
         t0 = time.time()
-        if planned is None and timing_start is None and step == min(5, hp["warmup"] - 1):
-            timing_start = (step, elapsed)
-        if planned is None and step == hp["warmup"]:
-            per_step = (elapsed - timing_start[1]) / (step - timing_start[0])
-            planned = max(step + 1, int(step + (budget - elapsed) / per_step))
-            log(f"{name}: {per_step:.2f}s/step -> planned {planned} steps")
-            continue
-        lr = lr_at(step, planned or 10**9, hp["lr"], hp["warmup"])
+        lr = lr_at(step, total or 10**9, hp["lr"], hp["warmup"])
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = data.batch(step, hp["batch"])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = data.batch(step, hp["batch"]).to(args.device)
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
@@ -991,12 +1029,29 @@ def train_model(name: str, data: Data, args, steps: int | None) -> dict:
         losses.append(round(loss.item(), 4))
         step += 1
         elapsed += time.time() - t0
-        if step % args.log_every == 0 or step == planned:
+        if step == 3 and not plan:
+            mark = (step, elapsed)  # the first steps are slow (allocation, warm caches)
+        due = not plan and step >= hp["warmup"]
+        due = due or (plan and elapsed - mark[1] >= args.replan_minutes * 60)
+        if adaptive and due:
+            per_step = (
+                (elapsed - mark[1]) / (step - mark[0]) if step - mark[0] >= 3 else (elapsed / step)
+            )
+            new_total = max(step + 1, step + round((budget - elapsed) / per_step))
+            if args.max_steps:
+                new_total = min(new_total, max(step + 1, args.max_steps))
+            old_total = total_at(plan, step)
+            if old_total is None or abs(new_total - old_total) > 0.02 * old_total:
+                plan.append([step, new_total])
+                log(f"{name}: {per_step:.2f}s/step -> schedule ends at step {new_total}")
+            mark = (step, elapsed)
+        total = total_at(plan, step)
+        if step % args.log_every == 0 or step == total:
             recent = losses[-args.log_every :]
             tps = step * hp["batch"] * SEQ_LEN / max(elapsed, 1e-9)
-            eta = (planned - step) * elapsed / step if planned else float("nan")
+            eta = (total - step) * elapsed / step if total else float("nan")
             log(
-                f"{name} step {step}/{planned or '?'} loss {sum(recent) / len(recent):.3f} "
+                f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} "
                 f"lr {lr:.2e} {tps:,.0f} tok/s elapsed {elapsed:.0f}s eta {eta:.0f}s"
             )
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
@@ -1007,12 +1062,16 @@ def train_model(name: str, data: Data, args, steps: int | None) -> dict:
     return dict(
         model=model,
         params=n_params,
-        steps=planned,
+        steps=step,
+        plan=format_plan(plan),
         batch=hp["batch"],
+        default_batch=2 if args.smoke else TRAIN_DEFAULTS[name]["batch"],
         seq_len=SEQ_LEN,
-        tokens_seen=planned * hp["batch"] * SEQ_LEN,
+        tokens_seen=step * hp["batch"] * SEQ_LEN,
         peak_lr=hp["lr"],
         warmup_steps=hp["warmup"],
+        precision="bf16 autocast" if use_bf16 else "fp32",
+        device=args.device,
         train_seconds=round(elapsed, 1),
         final_train_loss=round(sum(final) / len(final), 4),
         budget_seconds=budget,
@@ -1029,6 +1088,7 @@ def save_model(model, tokenizer_dir: Path, out: Path, tokenizer) -> None:
     model = model.to(torch.bfloat16)
     model.config.use_cache = True
     model.save_pretrained(str(out), safe_serialization=True)
+    os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600
     eot, im_end = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(IM_END)
     GenerationConfig(
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot
@@ -1040,6 +1100,26 @@ def save_model(model, tokenizer_dir: Path, out: Path, tokenizer) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_dir / f, out / f)
+
+
+def replay_flags(name: str, res: dict) -> str:
+    plan = parse_plan(res["plan"])
+    flags = f"--{name}-steps {res['steps']}" if len(plan) <= 1 else f"--{name}-plan {res['plan']}"
+    if res["batch"] != res["default_batch"]:
+        flags += f" --{name}-batch {res['batch']}"
+    if res["peak_lr"] != TRAIN_DEFAULTS[name]["lr"]:
+        flags += f" --{name}-lr {res['peak_lr']}"
+    return flags
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1055,10 +1135,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--target-minutes",
         type=float,
-        default=40.0,
-        help="time budget used to plan the target's step count",
+        default=None,
+        help="time budget used to plan the target's steps (default 40; 0.5 with --smoke)",
     )
-    ap.add_argument("--draft-minutes", type=float, default=10.0)
+    ap.add_argument("--draft-minutes", type=float, default=None, help="default 10; 0.15 smoke")
     ap.add_argument(
         "--target-steps",
         type=int,
@@ -1066,17 +1146,43 @@ def main(argv: list[str] | None = None) -> None:
         help="exact optimizer steps for the target (overrides the time budget)",
     )
     ap.add_argument("--draft-steps", type=int, default=None)
+    ap.add_argument(
+        "--target-plan",
+        default=None,
+        help="replay a recorded schedule 'from:total,...' (from training.json)",
+    )
+    ap.add_argument("--draft-plan", default=None)
+    ap.add_argument("--replan-minutes", type=float, default=None, help="default 5; 0.1 smoke")
+    ap.add_argument(
+        "--autocast",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="auto: bf16 autocast only where the CPU has native bf16 (AVX512-BF16/AMX), else fp32",
+    )
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU is available")
     ap.add_argument(
-        "--smoke", action="store_true", help="tiny end-to-end run: few files, 3 steps per model"
+        "--max-steps", type=int, default=None, help="cap on a time-planned schedule's end"
+    )
+    for name in ("target", "draft"):
+        ap.add_argument(f"--{name}-batch", type=int, default=None, help="sequences per step")
+        ap.add_argument(f"--{name}-lr", type=float, default=None, help="peak learning rate")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny end-to-end run: few files, ~1 minute"
     )
     ap.add_argument("--smoke-files", type=int, default=60)
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.target_steps = args.target_steps or 3
-        args.draft_steps = args.draft_steps or 3
+    smoke = args.smoke
+    for key, full, tiny in (
+        ("target_minutes", 40.0, 0.5),
+        ("draft_minutes", 10.0, 0.15),
+        ("replan_minutes", 5.0, 0.1),
+    ):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if smoke else full)
+    if smoke:
         args.log_every = 1
     work = args.work_dir or (
         DEFAULT_WORK.with_name("demo_train_smoke") if args.smoke else DEFAULT_WORK
@@ -1085,6 +1191,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out_dir.resolve() == DEFAULT_OUT.resolve() and args.smoke:
         sys.exit("refusing to write a smoke model into the bundled assets; pass --out-dir")
 
+    # Sleep rather than spin in OpenMP barriers: this machine is shared with other jobs.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -1093,13 +1201,14 @@ def main(argv: list[str] | None = None) -> None:
         argv if argv is not None else sys.argv[1:]
     )
     data = Data(args, work)
-    for e in range(1 if args.smoke else 2):  # the full run uses about 1.5 epochs
-        data.epoch(e)
+    data.epoch(0)  # later epochs are built when (if) training reaches them
     prep_seconds = time.time() - t_start
     results = {}
-    for name, steps in (("target", args.target_steps), ("draft", args.draft_steps)):
-        res = train_model(name, data, args, steps)
-        model = res.pop("model")
+    for name in ("target", "draft"):
+        steps, plan = getattr(args, f"{name}_steps"), getattr(args, f"{name}_plan")
+        fixed = parse_plan(plan) if plan else ([[0, steps]] if steps else None)
+        res = train_model(name, data, args, fixed)
+        model = res.pop("model").to("cpu")
         save_model(model, work / "tokenizer", args.out_dir / name, data.tokenizer)
         res["epochs_touched"] = sorted(data.epochs)
         results[name] = res
@@ -1109,17 +1218,16 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(
         seed=args.seed,
         command=command,
-        reproduce=(
-            f"python scripts/train_demo_model.py --seed {args.seed} --target-steps "
-            f"{results['target']['steps']} --draft-steps {results['draft']['steps']}"
-            + (" --smoke" if args.smoke else "")
-        ),
+        reproduce=f"python scripts/train_demo_model.py --seed {args.seed} "
+        + " ".join(replay_flags(name, results[name]) for name in results)
+        + (f" --device {args.device}" if args.device != "cpu" else "")
+        + (" --smoke" if args.smoke else ""),
         smoke=args.smoke,
         torch=torch.__version__,
         transformers=__import__("transformers").__version__,
         tokenizers=__import__("tokenizers").__version__,
         threads=args.threads,
-        hardware=f"{os.cpu_count()}-core CPU, no GPU",
+        hardware=f"{os.cpu_count()}-core {cpu_name()} CPU, no GPU",
         wall_seconds_total=round(time.time() - t_start, 1),
         wall_seconds_data_prep=round(prep_seconds, 1),
         tokenizer=dict(

@@ -10,9 +10,6 @@ import torch
 
 from expresslane.errors import InvalidRequestError
 
-DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo" / "target"
-DEMO_DRAFT_DIR = Path(__file__).parent / "assets" / "demo" / "draft"
-
 
 @dataclass
 class EngineConfig:
@@ -44,7 +41,9 @@ class EngineConfig:
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.model) if self.model else DEMO_MODEL_DIR
+        from expresslane.demo import demo_model_dir
+
+        return Path(self.model) if self.model else demo_model_dir()
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -131,7 +131,7 @@ def serve(args, engine_options: dict) -> int:
     get `graceful_shutdown_seconds` to finish, then they are cancelled and their KV freed."""
     import uvicorn
 
-    from expresslane.config import DEMO_MODEL_DIR, EngineConfig
+    from expresslane.config import EngineConfig
     from expresslane.engine.async_engine import AsyncEngine
     from expresslane.engine.engine import LLMEngine
     from expresslane.errors import ExpresslaneError
@@ -152,13 +152,6 @@ def serve(args, engine_options: dict) -> int:
         return 2
     model = args.model or options.pop("model", None)
     options.pop("model", None)
-    if model is None and not DEMO_MODEL_DIR.is_dir():
-        print(
-            f"expresslane serve: the bundled demo model is not installed ({DEMO_MODEL_DIR} "
-            "is missing); pass --model DIR with a Hugging Face-format model directory.",
-            file=sys.stderr,
-        )
-        return 2
     try:
         engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, options)))
     except (ExpresslaneError, OSError, ValueError, KeyError) as e:
