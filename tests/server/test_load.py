@@ -134,8 +134,11 @@ async def test_disconnects_free_kv_blocks(server, model_name):
             if line.startswith("expresslane:request_success_total")
             and 'finished_reason="abort"' in line
         )
-        assert aborted >= 20
-        assert metric(text, "expresslane:request_success_total") - before >= 20
+        # The 18 streamed clients are always aborted mid-stream. A non-streamed client's 0.5 s
+        # timeout can fire before its request reaches the engine on a loaded machine; then
+        # there is nothing to abort (and no KV was ever taken).
+        assert aborted >= 18
+        assert metric(text, "expresslane:request_success_total") - before >= 18
         # they were stopped, not run to their 400 tokens (aborted ones count no tokens here)
         assert metric(text, "expresslane:generation_tokens_total") - tokens_before < 400
 

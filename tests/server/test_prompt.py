@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from expresslane.config import DEMO_MODEL_DIR
+from expresslane.demo import TARGET_DIR as DEMO_MODEL_DIR
 from expresslane.server.errors import APIError
 from expresslane.server.prompt import (
     chat_messages,
