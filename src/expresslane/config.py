@@ -37,7 +37,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"unknown option(s) {unknown}; known: {sorted(known - {'model'})}"
             )
-        return cls(model=model, **options)
+        config = cls(model=model, **options)
+        if config.quantization is not None or config.kv_cache_dtype != "auto":
+            raise InvalidRequestError(
+                "quantization and kv_cache_dtype are not implemented yet; leave them unset"
+            )
+        return config
 
     @property
     def model_dir(self) -> Path:
