@@ -2,29 +2,32 @@
 
 - `server`: the real engine on the tiny random-weight Llama checkpoint (outputs are gibberish,
   so tests check structure, usage, streaming equality and errors, not content).
-- `scripted_server`: the same app over a `ScriptedEngine` that replays fixed text, for
-  tool-call paths the random model cannot produce.
+- `tool_server`: the same app over the real engine on a tiny Llama (with the demo tokenizer
+  and its tool-calling chat template) overfit in the session to answer the tool tests'
+  prompts with fixed replies: tool calls, malformed calls, plain text.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import shutil
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
+import expresslane
 from expresslane.config import EngineConfig
 from expresslane.engine.async_engine import AsyncEngine
 from expresslane.engine.engine import LLMEngine
-from expresslane.engine.output import RequestOutput
-from expresslane.engine.request import RequestMetrics
 from expresslane.server.app import create_app
+from expresslane.server.prompt import render, template_tools
 from expresslane.server.settings import ServerSettings
 from expresslane.tokenizer import Tokenizer
 
@@ -106,61 +109,161 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-# -- a scripted engine ------------------------------------------------------------------------
+# -- a real checkpoint trained to write tool calls -------------------------------------------
+
+DEMO_TOKENIZER = Path(expresslane.__file__).parent / "assets" / "demo" / "target"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+TWO_CALLS = (
+    "I'll check both.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# Trained without an end token: requests cap it with max tokens, so it ends with "length".
+MALFORMED = 'Sure: <tool_call>\n{"name": "get_weather", "arguments": {"ci'
 
 
-@dataclass
-class _Req:
-    request_id: str
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
 
 
-class ScriptedEngine:
-    """Replays `reply` (a list of text deltas, one token each) for every request, with the
-    real tokenizer for prompt rendering and token counts."""
+def _paris_turn(content: str | None) -> list[dict]:
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    return [
+        {"role": "assistant", "content": content, "tool_calls": [call]},
+        {"role": "tool", "content": "18C"},
+    ]
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.reply: list[str] = ["Hello", " world"]
-        self.finish_reason = "stop"
-        self.prompts: list[str] = []
-        self.aborted: list[str] = []
-        self.crash = False  # submit raises an unexpected exception (a bug)
 
-    def submit(self, prompt, params, request_id=None, priority=0, add_special_tokens=True):
-        if self.crash:
-            raise RuntimeError("secret internal detail")
+# (messages, with tools, forced prefix, reply, ends with the end token): the exact prompts the
+# tool tests send (rendered by the server's own `render`) and what the model must answer.
+TOOL_SCRIPT = [
+    ([_user("hi")], False, "", "Hello", True),
+    ([_user("Weather?")], True, "", TWO_CALLS, True),
+    ([_user("Weather in Paris?")], True, "", PARIS_CALL, True),
+    ([_user("Weather in Paris?"), *_paris_turn("")], True, "", "It is sunny.", True),
+    ([_user("x")], True, "", MALFORMED, False),
+    (
+        [_user("x")],
+        True,
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '{"city": "Rome"}}\n</tool_call>',
+        True,
+    ),
+    (
+        [_user("x")],
+        True,
+        '<tool_call>\n{"name": "',
+        'get_weather", "arguments": {}}\n</tool_call>',
+        True,
+    ),
+    ([_user("Weather there?"), *_paris_turn(None)], True, "", "Done.", True),
+    ([_user("Weather here?")], True, "", "Checking." + PARIS_CALL, True),
+    ([_user("Weather here?"), *_paris_turn("Checking.")], True, "", "Sunny.", True),
+]
+
+
+def _train_tool_model(out: Path) -> None:
+    """Overfit a tiny Llama on TOOL_SCRIPT until every reply token wins by a wide margin, so
+    that greedy decoding and sampling at temperature 1 both reproduce the replies."""
+    import transformers
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_TOKENIZER / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tok = Tokenizer.from_dir(out)
+    tools = template_tools([WEATHER])
+    seqs = []
+    for messages, with_tools, prefix, reply, eos in TOOL_SCRIPT:
+        prompt = tok.encode(render(tok, messages, tools if with_tools else None, prefix))
+        target = tok.encode(reply, False) + ([2] if eos else [])
+        seqs.append((prompt + target, len(prompt)))
+    width = max(len(s) for s, _ in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, (s, n) in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, n : len(s)] = torch.tensor(s[n:])
+        mask[i, : len(s)] = 1
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scored = labels[:, 1:] != -100
+    gold = labels[:, 1:][scored][:, None]
+    for _ in range(400):
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = model.lm_head(hidden[:, :-1][scored])  # only where a reply token is predicted
+        with torch.no_grad():
+            others = logits.scatter(1, gold, float("-inf")).max(1).values
+            margin = (logits.gather(1, gold)[:, 0] - others).min().item()
+        if margin > 2:  # measured on the weights being saved
+            break
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(logits, gold[:, 0]).backward()
+        opt.step()
+    else:
+        raise RuntimeError(f"the tool model did not learn its script (margin {margin:.2f})")
+    # Sharpen: scaling the final norm scales every logit, so each reply token's lead over the
+    # runner-up becomes >= 40 and sampling at the default temperature 1 picks it too.
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40 / margin)
+    model.eval().save_pretrained(out)
+
+
+class RecordingEngine(AsyncEngine):
+    """The real engine, keeping the prompts it was given (to check prompt rendering)."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__(engine)
+        self.prompts: list = []
+
+    def submit(self, prompt, params, *args, **kwargs):
         self.prompts.append(prompt)
-        n_prompt = (
-            len(self.tokenizer.encode(prompt, False)) if isinstance(prompt, str) else len(prompt)
-        )
-        return self._run(request_id, n_prompt, list(self.reply), self.finish_reason)
-
-    async def _run(self, rid, n_prompt, reply, finish_reason):
-        metrics = RequestMetrics(arrival=time.perf_counter())
-        for i, piece in enumerate(reply):
-            await asyncio.sleep(0)
-            last = i == len(reply) - 1
-            yield RequestOutput(
-                rid, [7], piece, last, finish_reason if last else None, n_prompt, 0, i + 1, metrics
-            )
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+        return super().submit(prompt, params, *args, **kwargs)
 
 
 @pytest.fixture(scope="session")
-def scripted(llama_dir) -> ScriptedEngine:
-    return ScriptedEngine(Tokenizer.from_dir(llama_dir))
+def tool_model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tool_llama")
+    _train_tool_model(out)
+    return out
 
 
 @pytest.fixture(scope="session")
-def scripted_server(scripted):
+def tool_engine(tool_model_dir):
+    eng = RecordingEngine(
+        LLMEngine(EngineConfig(model=str(tool_model_dir), dtype="float32", num_kv_blocks=256))
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_engine):
     settings = ServerSettings(store_path=":memory:", served_model_name="llama")
-    with ServerThread(create_app(scripted, settings)) as s:
+    with ServerThread(create_app(tool_engine, settings)) as s:
         yield s
 
 
-@pytest.fixture
-def scripted_client(scripted_server, scripted) -> openai.OpenAI:
-    scripted.reply, scripted.finish_reason, scripted.crash = ["Hello", " world"], "stop", False
-    return openai.OpenAI(base_url=scripted_server.url + "/v1", api_key="test", max_retries=0)
+@pytest.fixture(scope="session")
+def tool_client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="test", max_retries=0)

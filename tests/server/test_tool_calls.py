@@ -1,6 +1,7 @@
-"""Tool calls end to end, on a scripted engine that replays fixed assistant text (the random
-test model cannot write calls): Responses function_call items and events, Chat tool_calls
-with dense indices through the SDK's stream helper, forced calls, malformed fallback."""
+"""Tool calls end to end, on the real engine over a tiny Llama overfit (in conftest) to answer
+these tests' prompts with fixed assistant text: Responses function_call items and events, Chat
+tool_calls with dense indices through the SDK's stream helper, forced calls, malformed
+fallback."""
 
 from __future__ import annotations
 
@@ -9,28 +10,15 @@ import json
 import openai
 import pytest
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-}
-CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-TWO_CALLS = [
-    "I'll check",
-    " both.\n",
-    "<tool_call>",
-    '\n{"name": "get_weather", ',
-    '"arguments": {"city": "Paris"}}\n',
-    "</tool_call>",
-    "\n<tool_call>\n",
-    '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-]
+from .conftest import CHAT_WEATHER, MALFORMED, WEATHER
+
+MAX = 100  # room for the longest reply (the server defaults to 16 tokens)
 
 
-def test_responses_function_calls(scripted_client, scripted):
-    scripted.reply = TWO_CALLS
-    r = scripted_client.responses.create(model="llama", input="Weather?", tools=[WEATHER])
+def test_responses_function_calls(tool_client, tool_engine):
+    r = tool_client.responses.create(
+        model="llama", max_output_tokens=MAX, input="Weather?", tools=[WEATHER]
+    )
     assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
     assert r.output_text == "I'll check both."
     calls = r.output[1:]
@@ -38,8 +26,8 @@ def test_responses_function_calls(scripted_client, scripted):
     assert all(c.name == "get_weather" and c.call_id.startswith("call_") for c in calls)
     assert r.status == "completed"
 
-    with scripted_client.responses.stream(
-        model="llama", input="Weather?", tools=[WEATHER]
+    with tool_client.responses.stream(
+        model="llama", max_output_tokens=MAX, input="Weather?", tools=[WEATHER]
     ) as stream:
         events = list(stream)
         final = stream.get_final_response()
@@ -51,66 +39,73 @@ def test_responses_function_calls(scripted_client, scripted):
     assert [json.loads(e.arguments)["city"] for e in done] == ["Paris", "Oslo"]
     assert [o.type for o in final.output] == [o.type for o in r.output]
 
-    one = scripted_client.responses.create(
-        model="llama", input="Weather?", tools=[WEATHER], parallel_tool_calls=False
+    one = tool_client.responses.create(
+        model="llama",
+        max_output_tokens=MAX,
+        input="Weather?",
+        tools=[WEATHER],
+        parallel_tool_calls=False,
     )
     assert [o.type for o in one.output] == ["message", "function_call"]
 
 
-def test_tool_call_round_trip_renders_history(scripted_client, scripted):
-    scripted.reply = [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    ]
-    r = scripted_client.responses.create(model="llama", input="Weather?", tools=[WEATHER])
+def test_tool_call_round_trip_renders_history(tool_client, tool_engine):
+    r = tool_client.responses.create(
+        model="llama", max_output_tokens=MAX, input="Weather in Paris?", tools=[WEATHER]
+    )
     call = r.output[0]
     assert call.type == "function_call"
-    scripted.reply = ["It is sunny."]
-    r2 = scripted_client.responses.create(
+    r2 = tool_client.responses.create(
         model="llama",
+        max_output_tokens=MAX,
         previous_response_id=r.id,
         tools=[WEATHER],
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}],
     )
     assert r2.output_text == "It is sunny."
-    prompt = scripted.prompts[-1]
-    assert prompt.index("Weather?") < prompt.index("18C")
-    items = scripted_client.responses.input_items.list(r2.id)
+    prompt = tool_engine.prompts[-1]
+    assert prompt.index("Weather in Paris?") < prompt.index("18C")
+    items = tool_client.responses.input_items.list(r2.id)
     assert items.data[0].type == "function_call_output"
 
 
-def test_malformed_call_falls_back_to_text(scripted_client, scripted):
-    scripted.reply = ["Sure: ", "<tool_call>\n", '{"name": "get_weather", "arguments": {"ci']
-    scripted.finish_reason = "length"
-    r = scripted_client.responses.create(model="llama", input="x", tools=[WEATHER])
+def test_malformed_call_falls_back_to_text(tool_client, tool_engine):
+    # The model goes on writing after MALFORMED; capping it there ends the reply by length.
+    cap = len(tool_engine.engine.tokenizer.encode(MALFORMED, False))
+    r = tool_client.responses.create(
+        model="llama", input="x", tools=[WEATHER], max_output_tokens=cap
+    )
     assert [o.type for o in r.output] == ["message"]
     assert r.output_text == 'Sure: <tool_call>\n{"name": "get_weather", "arguments": {"ci'
     assert r.status == "incomplete"
-    c = scripted_client.chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": "x"}], tools=[CHAT_WEATHER]
+    c = tool_client.chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": "x"}],
+        tools=[CHAT_WEATHER],
+        max_tokens=cap,
     )
     assert c.choices[0].message.tool_calls is None
     assert c.choices[0].message.content == r.output_text
     assert c.choices[0].finish_reason == "length"
 
 
-def test_forced_tool_choice_prefills_the_call(scripted_client, scripted):
-    scripted.reply = ['{"city": "Rome"}}\n</tool_call>']
-    r = scripted_client.responses.create(
+def test_forced_tool_choice_prefills_the_call(tool_client, tool_engine):
+    r = tool_client.responses.create(
         model="llama",
+        max_output_tokens=MAX,
         input="x",
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
     )
-    assert scripted.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert tool_engine.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
     assert r.output[0].type == "function_call"
     assert json.loads(r.output[0].arguments) == {"city": "Rome"}
-    scripted.reply = ['get_weather", "arguments": {}}\n</tool_call>']
-    r = scripted_client.responses.create(
-        model="llama", input="x", tools=[WEATHER], tool_choice="required"
+    r = tool_client.responses.create(
+        model="llama", max_output_tokens=MAX, input="x", tools=[WEATHER], tool_choice="required"
     )
     assert r.output[0].name == "get_weather"
     with pytest.raises(openai.BadRequestError) as e:
-        scripted_client.responses.create(
+        tool_client.responses.create(
             model="llama",
             input="x",
             tools=[WEATHER],
@@ -119,19 +114,21 @@ def test_forced_tool_choice_prefills_the_call(scripted_client, scripted):
     assert e.value.param == "tool_choice.name"
 
 
-def test_chat_tool_calls_plain_and_streamed(scripted_client, scripted):
-    scripted.reply = TWO_CALLS
+def test_chat_tool_calls_plain_and_streamed(tool_client, tool_engine):
     kwargs = dict(
-        model="llama", messages=[{"role": "user", "content": "Weather?"}], tools=[CHAT_WEATHER]
+        model="llama",
+        max_tokens=MAX,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[CHAT_WEATHER],
     )
-    c = scripted_client.chat.completions.create(**kwargs)
+    c = tool_client.chat.completions.create(**kwargs)
     choice = c.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "I'll check both."
     calls = choice.message.tool_calls
     assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Paris", "Oslo"]
 
-    with scripted_client.chat.completions.stream(**kwargs) as stream:
+    with tool_client.chat.completions.stream(**kwargs) as stream:
         chunks = [e.chunk for e in stream if e.type == "chunk"]
         final = stream.get_final_completion()
     indices = [
@@ -149,13 +146,13 @@ def test_chat_tool_calls_plain_and_streamed(scripted_client, scripted):
     assert final.choices[0].finish_reason == "tool_calls"
 
 
-def test_chat_tool_history_messages(scripted_client, scripted):
-    scripted.reply = ["Done."]
-    c = scripted_client.chat.completions.create(
+def test_chat_tool_history_messages(tool_client, tool_engine):
+    c = tool_client.chat.completions.create(
         model="llama",
+        max_tokens=MAX,
         tools=[CHAT_WEATHER],
         messages=[
-            {"role": "user", "content": "Weather?"},
+            {"role": "user", "content": "Weather there?"},
             {
                 "role": "assistant",
                 "content": None,
@@ -171,24 +168,21 @@ def test_chat_tool_history_messages(scripted_client, scripted):
         ],
     )
     assert c.choices[0].message.content == "Done."
-    assert "18C" in scripted.prompts[-1]
+    assert "18C" in tool_engine.prompts[-1]
 
 
-def test_replaying_output_items_as_input(scripted_client, scripted):
-    scripted.reply = [
-        "Checking.",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-    ]
-    r = scripted_client.responses.create(
-        model="llama", input="Weather?", tools=[WEATHER], store=False
+def test_replaying_output_items_as_input(tool_client, tool_engine):
+    r = tool_client.responses.create(
+        model="llama", max_output_tokens=MAX, input="Weather here?", tools=[WEATHER], store=False
     )
     call = r.output[1]
     history = [
-        {"role": "user", "content": "Weather?"},
+        {"role": "user", "content": "Weather here?"},
         *[o.model_dump(exclude_none=True) for o in r.output],
         {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
     ]
-    scripted.reply = ["Sunny."]
-    r2 = scripted_client.responses.create(model="llama", input=history, tools=[WEATHER])
+    r2 = tool_client.responses.create(
+        model="llama", max_output_tokens=MAX, input=history, tools=[WEATHER]
+    )
     assert r2.output_text == "Sunny."
-    assert scripted.prompts[-1].count("Checking.") == 1
+    assert tool_engine.prompts[-1].count("Checking.") == 1

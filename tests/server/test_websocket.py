@@ -129,11 +129,11 @@ async def test_warmup_then_continue(server, model_name):
         assert b["usage"]["input_tokens_details"]["cached_tokens"] >= 16
 
 
-async def test_connection_lifetime_limit(scripted):
+async def test_connection_lifetime_limit(tool_engine):
     settings = ServerSettings(
         store_path=":memory:", websocket_max_connection_seconds=0.5, served_model_name="llama"
     )
-    with ServerThread(create_app(scripted, settings)) as srv:
+    with ServerThread(create_app(tool_engine, settings)) as srv:
         async with websockets.connect(ws_url(srv)) as ws:
             await ws.send(create("llama", input="hi"))
             assert (await turn(ws))[-1]["type"] == "response.completed"
