@@ -55,11 +55,11 @@ class OutputProcessor:
         if logprob is not None:
             req.logprobs.append(logprob)
         if token in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
-            self._finish(
+            self.finish(
                 req, "stop", stop_reason=token if token in req.params.stop_token_ids else None
             )
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            self._finish(req, "length")
+            self.finish(req, "length")
         if self.tokenizer is not None:
             self._detokenize(req, token)
 
@@ -76,17 +76,14 @@ class OutputProcessor:
             idx = state.text.find(stop, window_start)
             if idx != -1:
                 state.text = state.text[:idx]
-                self._finish(req, "stop", stop_reason=stop)
+                self.finish(req, "stop", stop_reason=stop)
                 return
 
-    def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.metrics.finished = time.perf_counter()
-
-    def finish(self, req: Request, reason: str) -> None:
-        self._finish(req, reason)
 
     def make_output(
         self, req: Request, num_new_tokens: int, error: str | None = None

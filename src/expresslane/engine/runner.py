@@ -72,8 +72,9 @@ class ModelRunner:
             positions.append(np.arange(start, end))
             slot_parts.append(self._slots(req, start, end))
             if n > 1:
-                ctx = None if start == 0 else self._slots(req, 0, end)
-                ctx = None if ctx is None else torch.from_numpy(ctx).to(self.device)
+                ctx = None
+                if start > 0:  # attends to a cached prefix: read it from the paged cache
+                    ctx = torch.from_numpy(self._slots(req, 0, end)).to(self.device)
                 prefills.append(PrefillChunk(row0, n, end, ctx))
             if end >= req.num_tokens:  # reaches the last known token: sample from there on
                 first = row0 + (req.num_tokens - 1 - start)
