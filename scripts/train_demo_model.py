@@ -33,7 +33,7 @@ Recipe
 4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
    2048 positions, trained at sequence length 1024 (precision: see 5.), AdamW (0.9, 0.95, wd 0.1),
    linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
-   target: d=384, 8 layers, 6 heads (2 KV heads), MLP 1024 (15.7M parameters).
+   target: d=384, 6 layers, 6 heads (2 KV heads), MLP 1024 (12.6M parameters).
    draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
 5. Budget. Unless ``--target-steps`` / ``--draft-steps`` (or a recorded ``--*-plan``) are given,
    the step count is planned from a wall-time budget: the warmup steps (whose learning rates do
@@ -53,7 +53,7 @@ Recipe
 
 Usage::
 
-    python scripts/train_demo_model.py                      # full run, about 60 min on 2 cores
+    python scripts/train_demo_model.py                      # full run, about 95 min on 2 cores
     python scripts/train_demo_model.py --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
     python scripts/train_demo_model.py --target-steps N --draft-steps M    # fixed step counts
     python scripts/train_demo_model.py --device cuda --target-steps N --draft-steps M  # on a GPU
@@ -94,7 +94,7 @@ MIX = {"code": 0.55, "instruct": 0.15, "tool": 0.30}  # share of training tokens
 MODEL_SHAPES = {
     "target": dict(
         hidden_size=384,
-        num_hidden_layers=8,
+        num_hidden_layers=6,
         num_attention_heads=6,
         num_key_value_heads=2,
         intermediate_size=1024,
@@ -108,7 +108,7 @@ MODEL_SHAPES = {
     ),
 }
 TRAIN_DEFAULTS = {  # peak lr, warmup steps, batch (sequences of SEQ_LEN tokens)
-    "target": dict(lr=1.5e-3, warmup=30, batch=2),
+    "target": dict(lr=1.5e-3, warmup=60, batch=2),
     "draft": dict(lr=3e-3, warmup=30, batch=4),
 }
 
@@ -1136,9 +1136,9 @@ def main(argv: list[str] | None = None) -> None:
         "--target-minutes",
         type=float,
         default=None,
-        help="time budget used to plan the target's steps (default 40; 0.5 with --smoke)",
+        help="time budget used to plan the target's steps (default 80; 0.5 with --smoke)",
     )
-    ap.add_argument("--draft-minutes", type=float, default=None, help="default 10; 0.15 smoke")
+    ap.add_argument("--draft-minutes", type=float, default=None, help="default 12; 0.15 smoke")
     ap.add_argument(
         "--target-steps",
         type=int,
@@ -1176,8 +1176,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     smoke = args.smoke
     for key, full, tiny in (
-        ("target_minutes", 40.0, 0.5),
-        ("draft_minutes", 10.0, 0.15),
+        ("target_minutes", 80.0, 0.5),
+        ("draft_minutes", 12.0, 0.15),
         ("replan_minutes", 5.0, 0.1),
     ):
         if getattr(args, key) is None:

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Servers started by tests keep API keys and the usage ledger in memory, never in the
+# user's real accounts database; tests that need a file pass their own path.
+os.environ["EXPRESSLANE_ACCOUNTS"] = ":memory:"
 
 VOCAB = 512
 ARCH_CONFIGS = {

@@ -19,9 +19,36 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--lane",
+        action="append",
+        default=[],
+        metavar="LANE.SETTING=VALUE",
+        help="lane setting, e.g. ultrafast.target_tokens_per_s=150 or flex.enabled=false "
+        "(repeatable; see [lanes.*] in the config file)",
+    )
+
+
+def parse_lane_flags(flags: list[str]) -> dict:
+    """['ultrafast.max_batch=2', ...] -> {'ultrafast': {'max_batch': 2}}; values are TOML."""
+    from expresslane.server.settings import tomllib
+
+    lanes: dict = {}
+    for flag in flags:
+        name, eq, value = flag.partition("=")
+        lane, dot, setting = name.partition(".")
+        if not (eq and dot and lane and setting):
+            raise SystemExit(f"--lane {flag!r}: expected LANE.SETTING=VALUE")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word, e.g. auto
+        lanes.setdefault(lane, {})[setting] = parsed
+    return lanes
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
+    lanes = parse_lane_flags(args.lane)
     return dict(
         device=args.device,
         dtype=args.dtype,
@@ -30,6 +57,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        **({"lanes": lanes} if lanes else {}),
     )
 
 
@@ -80,7 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--config", default=None, help="TOML config file")
+    s.add_argument(
+        "--accounts", default=None, help="API keys + usage ledger (SQLite); default: see keys"
+    )
     s.set_defaults(func=cmd_serve)
+
+    from expresslane.cli_accounts import add_account_commands
+
+    add_account_commands(sub)
     return parser
 
 

@@ -25,7 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunk size)
     enable_prefix_caching: bool = True
     seed: int | None = None
-    speculative: dict | None = None
+    speculative: dict | None = None  # every lane's, unless the lane sets its own
+    lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py
+    calibrate: bool = True  # time synthetic steps at server start for the step-latency model
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
 

@@ -236,9 +236,9 @@ class RecordingEngine(AsyncEngine):
         super().__init__(engine)
         self.prompts: list = []
 
-    def submit(self, prompt, params, *args, **kwargs):
+    def make_request(self, prompt, *args, **kwargs):
         self.prompts.append(prompt)
-        return super().submit(prompt, params, *args, **kwargs)
+        return super().make_request(prompt, *args, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -49,8 +49,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, calibrate: bool | None = None):
         self.engine = engine
+        self._calibrate = engine.config.calibrate if calibrate is None else calibrate
+        self._lane_load: dict[str, int] = {}  # requests in flight per lane
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
@@ -67,21 +69,33 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def lane_load(self, lane: str) -> int:
+        """Requests of this lane submitted and not finished yet."""
+        return self._lane_load.get(lane, 0)
+
     def submit(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        priority: int = 0,
+        lane: str = "default",
         add_special_tokens: bool = True,
     ) -> RequestStream:
         """Validate and enqueue; must be called from a running event loop."""
-        req = self.engine.make_request(prompt, params, request_id, priority, add_special_tokens)
+        return self.enqueue(self.make_request(prompt, params, request_id, lane, add_special_tokens))
+
+    def make_request(self, *args, **kwargs) -> Request:
+        """Validate and tokenize without enqueuing (raises InvalidRequestError)."""
+        return self.engine.make_request(*args, **kwargs)
+
+    def enqueue(self, req: Request) -> RequestStream:
+        """Hand a request made by `make_request` to the step loop; returns its stream."""
         stream = RequestStream(req, self)
         with self._lock:
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self._streams[req.request_id] = (stream, asyncio.get_running_loop())
+            self._lane_load[req.lane] = self._lane_load.get(req.lane, 0) + 1
         self._inbox.put(("add", req))
         self._wake.set()
         return stream
@@ -114,6 +128,8 @@ class AsyncEngine:
                 entry = self._streams.get(out.request_id)
                 if entry is not None and out.finished:
                     del self._streams[out.request_id]
+                    lane = entry[0].request.lane
+                    self._lane_load[lane] -= 1
             if entry is not None:
                 stream, loop = entry
                 with contextlib.suppress(RuntimeError):  # that event loop may be closed
@@ -139,6 +155,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         eng = self.engine
+        if self._calibrate:
+            try:
+                eng.calibrate()
+            except Exception:  # serving uncalibrated beats not serving: the model fits online
+                log.exception("step-latency calibration failed")
         while not self._stop:
             self._deliver(self._drain_inbox())
             if not eng.has_unfinished():

@@ -8,13 +8,17 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from expresslane.config import EngineConfig
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput, TextState
 from expresslane.engine.request import Request
 from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
 from expresslane.engine.scheduler import Scheduler
+from expresslane.engine.step_model import StepLatencyModel
 from expresslane.errors import ContextLengthExceeded, InvalidRequestError
+from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
@@ -66,17 +70,25 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_batch, config.max_num_batched_tokens)
+        self.lanes = build_lanes(config.lanes)
+        self.step_model = StepLatencyModel()
+        self.scheduler = Scheduler(
+            self.kv, config.max_batch, config.max_num_batched_tokens, self.lanes, self.step_model
+        )
         self.runner = ModelRunner(
             self.model, mcfg, num_blocks, config.block_size, self.dtype, self.device, config.seed
         )
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.proposer, self.spec_tokens = (None, 0)
-        if config.speculative:
-            self.proposer, self.spec_tokens = make_proposer(config.speculative)
+        self.proposers = {}  # lane rank -> (proposer, tokens per step)
+        for lane in self.lanes.values():
+            spec = lane.speculative if lane.speculative is not None else config.speculative
+            if spec:
+                self.proposers[lane.rank] = make_proposer(spec)
         self.spec_stats = SpecStats()
+        self._targets_resolved = False
+        self._calibrating = False  # steps are timed into the calibration set
 
     # -- requests -----------------------------------------------------------------------
 
@@ -85,11 +97,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        priority: int = 0,
+        lane: str = "default",
         add_special_tokens: bool = True,
     ) -> Request:
         """Validate and tokenize; raises InvalidRequestError. Touches no engine state, so
         it is safe to call from another thread."""
+        spec = self.lanes.get(lane)
+        if spec is None or not spec.enabled:
+            enabled = [name for name, la in self.lanes.items() if la.enabled]
+            raise InvalidRequestError(
+                f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
@@ -123,7 +141,8 @@ class LLMEngine:
             request_id if request_id is not None else f"req-{next(_ids)}",
             ids,
             params,
-            priority=priority,
+            priority=spec.rank,
+            lane=lane,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
             max_tokens=params.max_tokens or room,
@@ -157,7 +176,10 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.proposer is not None:
+        start = time.perf_counter()
+        if not self._targets_resolved and self.step_model.ready:
+            self._resolve_targets()
+        if self.proposers:
             self._propose()
         batch = self.scheduler.schedule()
         if not batch.items:
@@ -181,7 +203,15 @@ class LLMEngine:
             if req.is_finished:
                 self.scheduler.remove(req)
                 self.requests.pop(req.request_id, None)
+        self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, start)
         return outputs
+
+    def _observe(self, seqs: int, tokens: int, context: int, start: float) -> None:
+        seconds = time.perf_counter() - start
+        if self._calibrating:
+            self.step_model.add_calibration(seqs, tokens, context, seconds)
+        else:
+            self.step_model.observe(seqs, tokens, context, seconds)
 
     def _accept(self, req: Request, result, row: int, rows: int) -> int:
         """Append the sampled token, or for speculation the guesses the model agrees with
@@ -200,19 +230,69 @@ class LLMEngine:
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
             self.spec_stats.record(len(drafts), appended - 1)
+        if req.priority in self.proposers:
+            rates = self.scheduler.tokens_per_step
+            rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended
         return appended
 
     def _propose(self) -> None:
         """Guess the next tokens of greedy requests that are decoding."""
-        k = self.spec_tokens
         for req in self.scheduler.running:
+            if req.priority not in self.proposers:
+                continue
+            proposer, k = self.proposers[req.priority]
             p = req.params
             decoding = req.num_computed_tokens == req.num_tokens - 1
             if not decoding or not p.greedy or req.num_output_tokens < p.min_tokens:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
             if room > 1:
-                req.draft_ids = self.proposer.propose(req.token_ids, min(k, room - 1))
+                req.draft_ids = proposer.propose(req.token_ids, min(k, room - 1))
+
+    # -- step-latency model ---------------------------------------------------------------
+
+    def calibrate(self) -> None:
+        """Time synthetic steps on this device, prompt chunks and decode batches up to the
+        largest lane batch, and fit the step-latency model to them. Uses free KV blocks only
+        and leaves nothing behind; call it before serving."""
+        rng = torch.Generator().manual_seed(0)
+        vocab = self.model_config.vocab_size
+        largest = max(la.max_batch for la in self.lanes.values() if la.enabled)
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(largest, self.config.max_batch)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prompt_len = max(1, min(32, (self.max_model_len - 8) // 4))  # prompts of 1-4x this
+        try:
+            for i, b in enumerate([1, *sizes]):  # the first run warms up and is not kept
+                if self.kv.blocks_needed(prompt_len * 4 + 8) * b > self.kv.num_free_blocks:
+                    break
+                self._calibrating = i > 0
+                for j in range(b):
+                    n = prompt_len * (1 + j % 4)
+                    prompt = torch.randint(1, vocab, (n,), generator=rng).tolist()
+                    self.add(self.make_request(prompt, params, f"calibrate-{i}-{j}"))
+                while self.has_unfinished():
+                    self.step()
+        finally:
+            self._calibrating = False
+            for rid in list(self.requests):
+                self.abort(rid)
+        self.step_model.fit()
+        self._resolve_targets()
+        log.info("step-latency model: %s", self.step_model.describe())
+
+    def _resolve_targets(self) -> None:
+        """Per-request tokens/s targets of lanes that have one; "auto" is a fraction of the
+        speed a single request gets alone on this device."""
+        targets = {}
+        for lane in self.lanes.values():
+            target = lane.target_tokens_per_s
+            if target == "auto":
+                target = AUTO_TARGET_FRACTION / max(self.step_model.predict(1, 1, 256), 1e-4)
+            if target is not None:
+                targets[lane.rank] = float(target)
+                log.info("lane %s: target %.0f tokens/s per request", lane.name, target)
+        self.scheduler.targets = targets
+        self._targets_resolved = True
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (used when a step raised)."""

@@ -50,6 +50,7 @@ class Request:
         params: SamplingParams,
         *,
         priority: int = 0,
+        lane: str = "default",
         eos_token_ids: frozenset[int] = frozenset(),
         prompt: str | None = None,
         max_tokens: int,
@@ -57,7 +58,9 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.priority = priority  # lower is scheduled first (the vLLM convention)
+        self.priority = priority  # the lane's rank: lower is scheduled first (as in vLLM)
+        self.lane = lane
+        self.turn = 0  # when the scheduler last ran it (for round robin)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.max_tokens = max_tokens

@@ -1,39 +1,72 @@
-"""Continuous batching: which requests run this step and how many tokens each computes.
+"""Continuous batching over lanes: which requests run this step and how many tokens each computes.
 
-Every step has a token budget. Running requests go first (decodes cost one token each, an
-unfinished prompt continues as a chunk), then waiting requests are admitted in priority order
-while budget, sequence slots and KV blocks last. A prompt larger than the remaining budget is
-split into chunks across steps (chunked prefill), mixed with the decodes. When blocks run out
-the lowest-priority, most recent running request is preempted: its blocks are released and it
-is recomputed later (its cached prefix blocks often survive and make that cheap).
+Every step has a token budget. Running requests go first in lane order (ultrafast, default, flex;
+decodes before prompt chunks, least recently scheduled first), then waiting requests are admitted
+in lane order while budget, sequence slots, the lane's own batch limit and KV blocks last. A
+prompt larger than the remaining budget is split into chunks across steps (chunked prefill).
+
+While a request of a lane with a speed target is active, the lower lanes only get what fits in
+the step time that keeps it at its target, as predicted by the step-latency model: the rest of
+their requests keep their KV and skip the step (round robin makes them take turns).
+
+When blocks run out, the lowest-ranked, most recent running request is preempted: its blocks are
+released and it is recomputed later, prompt and output so far (its cached prefix blocks often
+survive and make that cheap). A preemptible lane (flex) also gives way to a better-ranked
+request that is waiting for blocks or a sequence slot.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request, Status
+from expresslane.engine.step_model import StepLatencyModel
+from expresslane.lanes import Lane, build_lanes
+
+# Predicted step time is held this far below the target's, for prediction error and jitter.
+STEP_HEADROOM = 0.85
 
 
 @dataclass
 class ScheduledBatch:
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    context_tokens: int = 0  # KV positions attended this step, summed over sequences
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    def add(self, req: Request, n: int) -> None:
+        self.items.append((req, n))
+        self.context_tokens += req.num_computed_tokens + n
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lanes: dict[str, Lane] | None = None,
+        step_model: StepLatencyModel | None = None,
+    ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.lanes = lanes or build_lanes(None)
+        self.rank_lane = {lane.rank: lane for lane in self.lanes.values()}
+        self.step_model = step_model or StepLatencyModel()
+        # Resolved per-token targets (tokens/s) of lanes that have one; set by the engine.
+        self.targets: dict[int, float] = {}
+        self.tokens_per_step: dict[int, float] = {}  # mean accepted tokens per step, per rank
+        self.waiting: list[Request] = []  # sorted by (rank, arrival)
         self.running: list[Request] = []
+        self.num_steps = 0
+        self._turns = itertools.count(1)  # a request's turn: when it was last scheduled
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -50,54 +83,130 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req)
 
+    def step_time_limit(self) -> float | None:
+        """Seconds a step may take so every active request with a target keeps it."""
+        limit = None
+        for req in (*self.running, *self.waiting):
+            target = self.targets.get(req.priority)
+            if target is not None:
+                tokens = self.tokens_per_step.get(req.priority, 1.0)
+                per_step = STEP_HEADROOM * tokens / target
+                limit = per_step if limit is None else min(limit, per_step)
+        return limit if self.step_model.ready else None
+
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        self._make_room_for_waiting(batch)
+        limit = self.step_time_limit()
         scheduled: set[int] = set()
-        # Within a priority level, decodes go before prompt chunks so a long prompt never
-        # stalls the streams that are already generating.
         order = sorted(self.running, key=_running_order)
-        for req in order:
-            if budget <= 0:
-                break
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this step
-            todo = req.num_tokens - req.num_computed_tokens
-            n = min(todo + len(req.draft_ids), budget)
-            del req.draft_ids[max(0, n - todo) :]  # guesses beyond the budget are dropped
-            while not self.kv.allocate(req, req.num_computed_tokens + n):
-                victim = self._pick_victim(order, scheduled)
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is req:
+        out_of_blocks = admission_closed = False
+        for rank in sorted(self.rank_lane):
+            cap = None if rank in self.targets else limit
+            for req in order:
+                if req.priority != rank or req.status is not Status.RUNNING:
+                    continue  # another lane, or preempted earlier in this step
+                budget = self.max_num_batched_tokens - batch.num_tokens
+                if budget <= 0:
                     break
-            if req.status is Status.RUNNING:
-                batch.items.append((req, n))
-                scheduled.add(id(req))
-                budget -= n
-        if not batch.preempted:
-            self._admit(batch, budget)
+                todo = req.num_tokens - req.num_computed_tokens
+                n = min(todo + len(req.draft_ids), budget)
+                if cap is not None:
+                    n = self._fit(batch, req, n, cap)
+                    if n == 0:
+                        continue  # capped this step; it keeps its blocks and its turn
+                del req.draft_ids[max(0, n - todo) :]  # guesses beyond the budget are dropped
+                while not self.kv.allocate(req, req.num_computed_tokens + n):
+                    out_of_blocks = True
+                    victim = self._pick_victim(order, scheduled)
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status is Status.RUNNING:
+                    batch.add(req, n)
+                    req.turn = next(self._turns)
+                    scheduled.add(id(req))
+            # A lane's new requests come before the next lane's running ones, and never
+            # jump ahead of a better lane that could not admit its own.
+            if not (out_of_blocks or admission_closed):
+                admission_closed = self._admit(batch, rank, cap)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+    def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
+        """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""
+        seqs, tokens, ctx = len(batch.items) + 1, batch.num_tokens, batch.context_tokens
+        base = req.num_computed_tokens
+
+        def fits(k: int) -> bool:
+            return self.step_model.predict(seqs, tokens + k, ctx + base + k) <= limit
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) or lo == 0; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _admit(self, batch: ScheduledBatch, rank: int, cap: float | None) -> bool:
+        """Admit waiting requests of one lane; True if admission stopped for lack of
+        budget, sequence slots, blocks or step time (so later lanes must wait too)."""
+        lane_running = sum(r.priority == rank for r in self.running)
+        for req in [r for r in self.waiting if r.priority == rank]:
+            if lane_running >= self.rank_lane[rank].max_batch:
+                return False  # this lane is full; the next one may still have room
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return True
             cached = self.kv.acquire_prefix(req)
-            n = min(req.num_tokens - cached, budget)
-            if not self.kv.allocate(req, cached + n):
-                self.kv.release(req)  # its prefix blocks stay cached for the next try
-                break
             req.num_computed_tokens = cached
+            n = min(req.num_tokens - cached, budget)
+            if cap is not None:
+                n = self._fit(batch, req, n, cap)
+            if n == 0 or not self.kv.allocate(req, cached + n):
+                self.kv.release(req)  # its prefix blocks stay cached for the next try
+                req.num_computed_tokens = 0
+                return True
             if req.metrics.num_preemptions == 0:
                 req.num_cached_tokens = cached
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.status = Status.RUNNING
+            req.turn = next(self._turns)
             self.running.append(req)
-            batch.items.append((req, n))
-            budget -= n
+            lane_running += 1
+            batch.add(req, n)
+        return False
+
+    def _make_room_for_waiting(self, batch: ScheduledBatch) -> None:
+        """Preempt preemptible requests that stand in the way of a better-ranked waiting one."""
+        running_by_rank = _count_by_rank(self.running)
+        head = next(
+            (
+                r
+                for r in self.waiting
+                if running_by_rank.get(r.priority, 0) < self.rank_lane[r.priority].max_batch
+            ),
+            None,
+        )
+        if head is None:
+            return
+        need = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        while len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need:
+            victims = [
+                r
+                for r in self.running
+                if r.priority > head.priority and self.rank_lane[r.priority].preemptible
+            ]
+            if not victims:
+                return
+            victim = max(victims, key=Request.sort_key)
+            self._preempt(victim)
+            batch.preempted.append(victim)
 
     def _pick_victim(self, order: list[Request], scheduled: set[int]) -> Request:
-        """The lowest-priority, most recent running request not yet scheduled this step."""
+        """The lowest-ranked, most recent running request not yet scheduled this step."""
         candidates = [r for r in order if r.status is Status.RUNNING and id(r) not in scheduled]
         if not candidates:
             raise RuntimeError("KV cache too small for the requests scheduled in one step")
@@ -112,5 +221,15 @@ class Scheduler:
         self.add(req)
 
 
-def _running_order(req: Request) -> tuple[int, bool, float]:
-    return (req.priority, req.num_tokens - req.num_computed_tokens > 1, req.metrics.arrival)
+def _count_by_rank(reqs: list[Request]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in reqs:
+        counts[r.priority] = counts.get(r.priority, 0) + 1
+    return counts
+
+
+def _running_order(req: Request) -> tuple[int, bool, int, float]:
+    # Decodes take turns (least recently scheduled first, in the order they ran) when a cap
+    # leaves some out; prompt chunks stay first come, first served, finishing prompts soonest.
+    prefill = req.num_tokens - req.num_computed_tokens > 1
+    return (req.priority, prefill, 0 if prefill else req.turn, req.metrics.arrival)

@@ -14,8 +14,12 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.lanes import build_lanes
 from expresslane.server import chat, completions, responses, websocket
+from expresslane.server.accounts import Accounts
+from expresslane.server.auth import AuthMiddleware
 from expresslane.server.errors import BodySizeLimit, install_error_handlers
+from expresslane.server.metering import Prices
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings, engine_options_from_toml
 from expresslane.server.state import ServerState, get_state
@@ -54,8 +58,13 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         parser = get_tool_parser(settings.tool_parser)
     if tokenizer is not None and _markers_are_special(tokenizer, parser.start_markers):
         parser.needs_special_tokens = True  # keep them in the text so calls can be parsed
+    lanes = getattr(getattr(async_engine, "engine", None), "lanes", None) or build_lanes(None)
+    accounts = Accounts(
+        settings.resolved_accounts_path(), Prices.from_table(settings.prices), lanes
+    )
     state = ServerState(
         engine=async_engine,
+        accounts=accounts,
         settings=settings,
         store=ResponseStore(settings.resolved_store_path()),
         metrics=ServerMetrics(async_engine, name),
@@ -72,11 +81,13 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         for job in list(state.jobs.values()):
             await job.wait()
         state.store.close()
+        accounts.close()
 
     app = FastAPI(title="expresslane", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, accounts=accounts)
     for module in (responses, websocket, chat, completions):
         app.include_router(module.router)
 
@@ -121,7 +132,10 @@ def _merged_engine_options(args, cli_options: dict) -> dict:
     defaults = _engine_options(build_parser().parse_args(["serve"]))
     options = engine_options_from_toml(getattr(args, "config", None))
     for key, value in cli_options.items():
-        if key not in options or value != defaults.get(key):
+        if key == "lanes":  # per setting: flags over the file
+            for lane, settings in value.items():
+                options.setdefault("lanes", {}).setdefault(lane, {}).update(settings)
+        elif key not in options or value != defaults.get(key):
             options[key] = value
     return options
 
@@ -145,6 +159,7 @@ def serve(args, engine_options: dict) -> int:
             getattr(args, "config", None),
             host=args.host if args.host != defaults.host else None,
             port=args.port if args.port != defaults.port else None,
+            accounts_path=getattr(args, "accounts", None),
         )
         options = _merged_engine_options(args, engine_options)
     except (OSError, ValueError) as e:

@@ -12,12 +12,11 @@ from fastapi.responses import JSONResponse, Response
 
 from expresslane.server.chat_choice import Choice, chat_usage, check_finished
 from expresslane.server.errors import APIError, invalid
-from expresslane.server.generation import make_params, merged, submit_all
+from expresslane.server.generation import abort_all, make_params, merged, submit_all
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
-from expresslane.server.tiers import canonical_tier
 
 router = APIRouter()
 NAMES = {"max_tokens": "max_completion_tokens", "prompt": "messages", "logprobs": "top_logprobs"}
@@ -31,7 +30,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    tier = canonical_tier(body.service_tier)
+    ticket = state.admit(request, body.service_tier)
+    tier = ticket.tier
     messages = chat_messages(body.messages)
     tools = [
         {
@@ -88,10 +88,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         state,
         [prompt] * n,
         params,
-        tier=tier,
+        ticket=ticket,
         request_id=cid,
         names=names,
         received=received,
+        n=n,
         add_special_tokens=False,
     )
     choices = [
@@ -114,13 +115,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "service_tier": tier,
     }
 
-    def abort_all():
-        for g in gens:
-            g.abort()
-
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_stream(gens, choices, base, include_usage), on_close=abort_all)
+        return sse_response(
+            _stream(gens, choices, base, include_usage), on_close=lambda: abort_all(gens)
+        )
 
     async def collect():
         async for i, out in merged(gens):

@@ -11,12 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from expresslane.server.errors import APIError, invalid
-from expresslane.server.generation import make_params, merged, submit_all
+from expresslane.server.generation import abort_all, make_params, merged, submit_all
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
-from expresslane.server.tiers import canonical_tier
 
 router = APIRouter()
 NAMES = {"max_tokens": "max_tokens", "prompt": "prompt", "logprobs": "logprobs"}
@@ -100,7 +99,7 @@ async def completions(body: CompletionRequest, request: Request):
             param="best_of",
             code="unsupported_parameter",
         )
-    tier = canonical_tier(body.service_tier)
+    ticket = state.admit(request, body.service_tier)
     prompts = _prompts(body.prompt)
     all_prompts, params, echoes = [], [], []
     tok = state.tokenizer
@@ -129,7 +128,14 @@ async def completions(body: CompletionRequest, request: Request):
             )
     cid = "cmpl-" + uuid.uuid4().hex
     gens = submit_all(
-        state, all_prompts, params, tier=tier, request_id=cid, names=NAMES, received=received
+        state,
+        all_prompts,
+        params,
+        ticket=ticket,
+        request_id=cid,
+        names=NAMES,
+        received=received,
+        n=n,
     )
     choices = [_Choice(i, echoes[i], body.logprobs is not None) for i in range(len(gens))]
     base = {
@@ -138,16 +144,13 @@ async def completions(body: CompletionRequest, request: Request):
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": None,
+        "service_tier": ticket.tier,  # not in OpenAI's legacy schema; echoed as in Chat
     }
-
-    def abort_all():
-        for g in gens:
-            g.abort()
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(
-            _stream(state, gens, choices, base, n, include_usage), on_close=abort_all
+            _stream(state, gens, choices, base, n, include_usage), on_close=lambda: abort_all(gens)
         )
 
     async def collect():

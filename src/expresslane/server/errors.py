@@ -40,8 +40,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param
@@ -59,7 +61,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -12,11 +12,12 @@ import time
 from collections.abc import AsyncIterator
 
 from expresslane.engine.output import RequestOutput
+from expresslane.engine.request import Request
 from expresslane.errors import ExpresslaneError
 from expresslane.sampling_params import SamplingParams
+from expresslane.server.accounts import Ticket
 from expresslane.server.errors import APIError, from_engine_error
 from expresslane.server.state import ServerState
-from expresslane.server.tiers import lane_rank
 
 
 def make_params(names: dict[str, str], **kwargs) -> SamplingParams:
@@ -28,38 +29,32 @@ def make_params(names: dict[str, str], **kwargs) -> SamplingParams:
 
 
 class Generation:
+    """One engine request: streams its outputs, records metrics, and writes its ledger row
+    when it ends (finished, failed or cancelled)."""
+
     def __init__(
         self,
         state: ServerState,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        tier: str,
-        request_id: str,
-        names: dict[str, str],
+        req: Request,
+        ticket: Ticket,
+        estimate: int,
         received: float,
-        add_special_tokens: bool = True,
+        bills_prompt: bool = True,
     ):
         self.state = state
-        self.tier = tier
-        self.request_id = request_id
+        # n choices of one prompt bill the prompt once, as the usage they report does
+        self.bills_prompt = bills_prompt
+        self.ticket = ticket
+        self.tier = ticket.tier
+        self.request = req
+        self.request_id = req.request_id
+        self.estimate = estimate  # tokens charged to the rate limit up front
         self.received = received
         self.first_token: float | None = None
         self.final: RequestOutput | None = None
         self.aborted = False
         self.last: RequestOutput | None = None
-        try:
-            self.stream = state.engine.submit(
-                prompt,
-                params,
-                request_id=request_id,
-                priority=lane_rank(tier),
-                add_special_tokens=add_special_tokens,
-            )
-        except ExpresslaneError as e:
-            raise from_engine_error(e, names) from e
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
+        self.stream = state.engine.enqueue(req)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         last = None
@@ -76,6 +71,7 @@ class Generation:
             if out.finished:
                 self.final = out
                 metrics.observe_finished(self.tier, self.received, self.first_token, now, out)
+                self._meter(out.finish_reason or "stop", now)
             yield out
 
     def abort(self) -> None:
@@ -85,6 +81,28 @@ class Generation:
             self.aborted = True
             self.state.engine.abort(self.request_id)
             self.state.metrics.observe_aborted(self.tier, self.last)
+            self._meter("abort", time.perf_counter())
+
+    def _meter(self, status: str, now: float) -> None:
+        out, req = self.last, self.request
+        first = self.first_token
+        queue = out.metrics.queue_time if out is not None else None
+        self.state.accounts.finish(
+            self.ticket,
+            self.request_id,
+            self.state.model_name,
+            status=status,
+            input_tokens=req.num_prompt_tokens if self.bills_prompt else 0,
+            cached_tokens=out.num_cached_tokens if out is not None and self.bills_prompt else 0,
+            output_tokens=out.num_output_tokens if out is not None else 0,
+            estimated_tokens=self.estimate,
+            timings={
+                "queue_s": queue,
+                "ttft_s": None if first is None else first - self.received,
+                "decode_s": None if first is None else now - first,
+                "e2e_s": now - self.received,
+            },
+        )
 
 
 async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -124,17 +142,64 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutp
             gen.abort()
 
 
-def submit_all(
-    state: ServerState, prompts: list, params: list[SamplingParams], **kwargs
-) -> list[Generation]:
-    """Submit several requests; if one is rejected, abort the ones already submitted."""
-    gens: list[Generation] = []
-    base = kwargs.pop("request_id")
+def prepare(
+    state: ServerState,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    ticket: Ticket,
+    request_id: str,
+    names: dict[str, str],
+    add_special_tokens: bool = True,
+) -> Request:
+    """Validate and tokenize one prompt for the ticket's lane; errors name the API's fields."""
     try:
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            gens.append(Generation(state, prompt, p, request_id=f"{base}-{i}", **kwargs))
-    except BaseException:
-        for g in gens:
-            g.abort()
-        raise
+        return state.engine.make_request(
+            prompt, params, request_id, ticket.tier, add_special_tokens
+        )
+    except ExpresslaneError as e:
+        raise from_engine_error(e, names) from e
+
+
+def start(
+    state: ServerState, reqs: list[Request], ticket: Ticket, received: float, n: int = 1
+) -> list[Generation]:
+    """Charge the rate limit for all the requests, then submit them all (or none). Requests
+    come in groups of `n` choices of the same prompt."""
+    estimates = [
+        (r.num_prompt_tokens if i % n == 0 else 0) + (r.params.max_tokens or 0)
+        for i, r in enumerate(reqs)
+    ]
+    state.accounts.charge(ticket, sum(estimates))
+    gens: list[Generation] = []
+    try:
+        for i, (req, estimate) in enumerate(zip(reqs, estimates, strict=True)):
+            gens.append(Generation(state, req, ticket, estimate, received, i % n == 0))
+    except ValueError as e:
+        abort_all(gens)
+        raise APIError(400, str(e)) from e
     return gens
+
+
+def submit_all(
+    state: ServerState,
+    prompts: list,
+    params: list[SamplingParams],
+    *,
+    request_id: str,
+    received: float,
+    n: int = 1,
+    **kwargs,
+) -> list[Generation]:
+    """`prepare` every prompt (`request_id-i`), then `start` them; `prompts` holds each
+    prompt `n` times in a row (one per choice)."""
+    reqs = [
+        prepare(state, prompt, p, request_id=f"{request_id}-{i}", **kwargs)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+    ]
+    return start(state, reqs, kwargs["ticket"], received, n)
+
+
+def abort_all(gens: list[Generation]) -> None:
+    for g in gens:
+        g.abort()

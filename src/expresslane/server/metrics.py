@@ -13,11 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from expresslane.engine.output import RequestOutput
-from expresslane.server.tiers import RANKS
+from expresslane.lanes import LANE_NAMES
 
 P = "expresslane:"
 LABELS = ["model_name", "tier"]
-_TIER_BY_RANK = {rank: tier for tier, rank in RANKS.items()}
 
 TTFT_BUCKETS = [
     0.001,
@@ -103,13 +102,22 @@ class _EngineCollector:
             ("num_requests_waiting", list(eng.scheduler.waiting), "Requests waiting to run"),
         ):
             g = GaugeMetricFamily(P + name, doc, labels=LABELS)
-            counts = dict.fromkeys(RANKS, 0)
+            counts = dict.fromkeys(LANE_NAMES, 0)
             for req in queue:
-                tier = _TIER_BY_RANK.get(req.priority, "default")
-                counts[tier] += 1
+                counts[req.lane] = counts.get(req.lane, 0) + 1
             for tier, n in counts.items():
                 g.add_metric([self.model_name, tier], n)
             yield g
+        g = GaugeMetricFamily(
+            P + "lane_target_tokens_per_second",
+            "Per-request decode speed a lane is held at (lower lanes are capped to keep it)",
+            labels=LABELS,
+        )
+        for lane in eng.lanes.values():
+            target = eng.scheduler.targets.get(lane.rank)
+            if target is not None:
+                g.add_metric([self.model_name, lane.name], target)
+        yield g
         used, total = eng.kv.num_used_blocks, eng.kv.num_blocks
         for name, value, doc in (
             ("kv_cache_used_blocks", used, "KV cache blocks held by requests"),

@@ -258,6 +258,10 @@ class ResponseAssembler:
         self.r["status"] = "completed"
         self.emit({"type": "response.completed", "response": self.r})
 
-    def cancelled(self) -> None:
+    def cancelled(self, last: RequestOutput | None, prompt_tokens: int) -> None:
+        """Cancelled: the usage so far is what it is billed for (as in the ledger)."""
+        self.r["usage"] = usage(last)
+        if last is None:
+            self.r["usage"]["input_tokens"] = self.r["usage"]["total_tokens"] = prompt_tokens
         self.r["status"] = "cancelled"
         self.r["completed_at"] = int(time.time())

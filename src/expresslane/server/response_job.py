@@ -14,8 +14,9 @@ import asyncio
 import json
 import logging
 
+from expresslane.server.accounts import Ticket
 from expresslane.server.errors import APIError, invalid
-from expresslane.server.generation import Generation, make_params
+from expresslane.server.generation import Generation, make_params, prepare, start
 from expresslane.server.prompt import (
     new_id,
     output_messages,
@@ -26,7 +27,6 @@ from expresslane.server.prompt import (
 from expresslane.server.response_builder import ResponseAssembler, base_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
-from expresslane.server.tiers import canonical_tier
 
 log = logging.getLogger("expresslane.server")
 NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
@@ -126,7 +126,7 @@ class ResponseJob:
                 )
         except asyncio.CancelledError:
             self.gen.abort()
-            self.assembler.cancelled()
+            self.assembler.cancelled(self.gen.last, self.gen.request.num_prompt_tokens)
             raise
         except Exception:
             log.exception("response %s failed", self.id)
@@ -216,12 +216,13 @@ def prepare_response(
     local: dict[str, list[dict]] | None = None,
     extra: dict | None = None,
     generate: bool = True,
+    ticket: Ticket,
 ) -> ResponseJob:
     model = state.check_model(req.model)
     store = req.store is not False
     if req.background and not store:
         raise invalid("background mode needs store=true.", param="background")
-    tier = canonical_tier(req.service_tier)
+    tier = ticket.tier
     context = resolve_previous(state, req.previous_response_id, local)
     items, new_messages = responses_input(req.input if req.input is not None else [], context)
     tools, choice, parser, prefix = _tool_setup(state, req)
@@ -251,14 +252,13 @@ def prepare_response(
             state.tokenizer, system + history, template_tools(tools) if parser else None, prefix
         )
         try:
-            gen = Generation(
+            engine_req = prepare(
                 state,
                 prompt,
                 params,
-                tier=tier,
+                ticket=ticket,
                 request_id=rid,
                 names=NAMES,
-                received=received,
                 add_special_tokens=False,
             )
             break
@@ -266,6 +266,7 @@ def prepare_response(
             if req.truncation != "auto" or e.code != "context_length_exceeded" or len(history) <= 1:
                 raise
             history = history[1:]
+    (gen,) = start(state, [engine_req], ticket, received)
     response = base_response(
         rid, req, model=model, tier=tier, tools=tools, tool_choice=choice, store=store
     )

@@ -29,7 +29,8 @@ async def _sse(job: ResponseJob, after: int = -1):
 async def create_response(body: ResponseCreateRequest, request: Request):
     received = time.perf_counter()
     state = get_state(request)
-    job = prepare_response(state, body, received=received)
+    ticket = state.admit(request, body.service_tier)
+    job = prepare_response(state, body, received=received, ticket=ticket)
     snapshot = copy.deepcopy(job.response)
     job.start()
     if body.background:

@@ -33,6 +33,7 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None  # default: the model directory's name
     store_path: str | None = None  # SQLite file; ":memory:" keeps nothing; None: default path
+    accounts_path: str | None = None  # API keys + usage ledger (SQLite); None: default path
     websocket_max_connection_seconds: float = 3600.0  # WebSocket mode connection lifetime
     max_body_bytes: int = 16 * 2**20  # request bodies larger than this get 413
     tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral
@@ -40,15 +41,25 @@ class ServerSettings:
     background_retention_seconds: float = 600.0  # finished background jobs kept in memory
     log_level: str = "info"
 
+    prices: dict | None = None  # the [prices] table: base prices per 1M tokens
+
     def resolved_store_path(self) -> str:
         return self.store_path or default_store_path()
+
+    def resolved_accounts_path(self) -> str:
+        from expresslane.server.keys import default_accounts_path
+
+        return self.accounts_path or default_accounts_path()
 
     @classmethod
     def from_toml(cls, path: str | None, **overrides) -> ServerSettings:
         data: dict = {}
         if path:
             with open(path, "rb") as f:
-                data = dict(tomllib.load(f).get("server", {}))
+                toml = tomllib.load(f)
+            data = dict(toml.get("server", {}))
+            if "prices" in toml:
+                data["prices"] = toml["prices"]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -60,8 +71,13 @@ class ServerSettings:
 
 
 def engine_options_from_toml(path: str | None) -> dict:
-    """The `[engine]` table of the config file (EngineConfig fields), or {}."""
+    """The `[engine]` table of the config file (EngineConfig fields) plus its `[lanes.*]`
+    tables as the `lanes` option, or {}."""
     if not path:
         return {}
     with open(path, "rb") as f:
-        return dict(tomllib.load(f).get("engine", {}))
+        toml = tomllib.load(f)
+    options = dict(toml.get("engine", {}))
+    if "lanes" in toml:
+        options["lanes"] = toml["lanes"]
+    return options

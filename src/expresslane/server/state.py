@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from expresslane.server.accounts import Accounts, Ticket
 from expresslane.server.errors import not_found
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings
@@ -22,6 +23,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     tool_parser: ToolParser
+    accounts: Accounts
     model_aliases: set[str] = field(default_factory=set)
     jobs: dict = field(default_factory=dict)  # response id -> ResponseJob (in flight/recent)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -45,6 +47,14 @@ class ServerState:
             param="model",
             code="model_not_found",
         )
+
+    def admit(self, request: Request, service_tier: str | None) -> Ticket:
+        """Decide the tier that serves this HTTP request (see `accounts.py`); the ticket's
+        rate-limit headers go on the response."""
+        key = request.state.api_key  # set by AuthMiddleware
+        ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
+        request.state.ticket = ticket
+        return ticket
 
 
 def get_state(request: Request) -> ServerState:

@@ -1,8 +1,8 @@
-"""Service tiers as the API names them, and the lane rank each is scheduled with.
+"""Service tiers as the API names them, and the lane that serves each.
 
-Canonical tiers are `ultrafast`, `default` and `flex`; `priority` and `fast` are aliases of
-`ultrafast`, `standard` of `default`, and `auto` means the caller's default tier (`default` for
-now). A lane's rank is the engine's `priority`: lower is scheduled first (the vLLM convention).
+Canonical tiers are the lanes `ultrafast`, `default` and `flex` (see `lanes.py`); `priority` and
+`fast` are aliases of `ultrafast`, `standard` and `scale` of `default`, and `auto` (or no tier)
+means the caller's default tier, which the API key's plan sets.
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ ALIASES = {
     "priority": "ultrafast",
     "fast": "ultrafast",
     "standard": "default",
-    "auto": "default",
     "scale": "default",
 }
-RANKS = {"ultrafast": 0, "default": 1, "flex": 2}
 
 
-def canonical_tier(name: str | None) -> str:
-    name = name or "auto"
+def canonical_tier(name: str | None, default_tier: str = "default") -> str:
+    if name is None or name == "auto":
+        return default_tier
     return ALIASES.get(name, name)
-
-
-def lane_rank(tier: str) -> int:
-    return RANKS[canonical_tier(tier)]

@@ -117,6 +117,9 @@ class Connection:
                 req = WsResponseCreate.model_validate(data)
             except ValidationError as e:
                 raise validation_error(list(e.errors(include_url=False))) from e
+            ticket = self.state.accounts.admit(
+                self.ws.state.api_key, req.service_tier, self.state.engine.lane_load
+            )
             job = prepare_response(
                 self.state,
                 req,
@@ -124,6 +127,7 @@ class Connection:
                 local=self.local,
                 extra=extra,
                 generate=req.generate is not False,
+                ticket=ticket,
             )
         except APIError as err:
             self._evict(data)

@@ -1,0 +1,214 @@
+"""Tiers side by side: what the ultrafast lane buys one request, and what it costs the others.
+
+One `expresslane serve` process (the demo model unless --model), one client process. `--streams`
+default-tier streams of long outputs run the whole time (each restarts when it ends). Then:
+
+  phase A  default streams alone, `--window` seconds: default throughput without ultrafast
+  phase B  the same, plus `--ultrafast` ultrafast requests one after another
+
+Per ultrafast request: decode tokens/s (first token excluded) and its inter-token latencies; the
+default streams' tokens/s over the same interval. Reported: the median of the per-request ratio
+ultrafast / median default stream, the p99 ITL against the lane's target, and default-lane
+throughput with and without the ultrafast traffic (the price of the lane). `--targets` reruns
+phase B with other ultrafast targets (tokens/s) to show default throughput against the target.
+Token times are client-side, from SSE chunks (`logprobs` gives the tokens in each chunk).
+
+    python benchmarks/tiers.py [--streams 32] [--ultrafast 10] [--targets 60,90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from common import machine, save_results
+
+PROMPT = "def parse_config(path):\n    \"\"\"Read the config file at *path*.\"\"\"\n"
+
+
+class Server:
+    def __init__(self, args, port: int, lane_flags: list[str]):
+        cmd = [sys.executable, "-m", "expresslane.cli", "serve", "--port", str(port)]
+        if args.model:
+            cmd += ["--model", args.model]
+        for flag in lane_flags:
+            cmd += ["--lane", flag]
+        env = {**os.environ, "EXPRESSLANE_ACCOUNTS": ":memory:", "EXPRESSLANE_STORE": ":memory:"}
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def ready(self, http: httpx.AsyncClient) -> dict:
+        for _ in range(600):
+            try:
+                if (await http.get(self.url + "/health")).status_code == 200:
+                    text = (await http.get(self.url + "/metrics")).text
+                    if "lane_target_tokens_per_second{" in text:  # calibrated
+                        return _targets(text)
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.5)
+        raise RuntimeError("the server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _targets(metrics: str) -> dict[str, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("expresslane:lane_target_tokens_per_second{"):
+            tier = line.split('tier="')[1].split('"')[0]
+            out[tier] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def stream(http, url: str, tier: str, max_tokens: int, stamps: list[float]) -> None:
+    """One streamed completion; appends a timestamp per received token to `stamps`."""
+    body = {
+        "model": "any",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "service_tier": tier,
+    }
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
+            stamps.extend([now] * len(lp.get("tokens") or []))
+
+
+async def default_worker(http, url, args, stamps: list[float], stop: asyncio.Event):
+    while not stop.is_set():
+        await stream(http, url, "default", args.default_tokens, stamps)
+
+
+def count_between(stamps: list[float], start: float, end: float) -> int:
+    return sum(start <= t <= end for t in stamps)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+async def run_phases(args, url: str, http) -> dict:
+    per_stream: list[list[float]] = [[] for _ in range(args.streams)]
+    stop = asyncio.Event()
+    workers = [
+        asyncio.create_task(default_worker(http, url, args, s, stop)) for s in per_stream
+    ]
+    await asyncio.sleep(args.warmup)
+    a0 = time.perf_counter()
+    await asyncio.sleep(args.window)
+    a1 = time.perf_counter()
+    alone = [count_between(s, a0, a1) / (a1 - a0) for s in per_stream]
+    fast = []
+    for _ in range(args.ultrafast):
+        stamps: list[float] = []
+        await stream(http, url, "ultrafast", args.ultrafast_tokens, stamps)
+        first, last = stamps[0], stamps[-1]
+        others = [count_between(s, first, last) / (last - first) for s in per_stream]
+        fast.append(
+            {
+                "tokens_per_s": (len(stamps) - 1) / (last - first),
+                "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+                "default_stream_tokens_per_s": statistics.median(others),
+                "default_throughput": sum(others),
+                "seconds": last - first,
+            }
+        )
+        await asyncio.sleep(0.2)  # let the default lane run uncapped for a moment
+    stop.set()
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    itl = [x for f in fast for x in f["itl"]]
+    busy = sum(f["seconds"] for f in fast)
+    return {
+        "default_alone": {
+            "throughput": sum(alone),
+            "stream_tokens_per_s_median": statistics.median(alone),
+        },
+        "with_ultrafast": {
+            "ultrafast_tokens_per_s_median": statistics.median(f["tokens_per_s"] for f in fast),
+            "default_stream_tokens_per_s_median": statistics.median(
+                f["default_stream_tokens_per_s"] for f in fast
+            ),
+            "ratio_median": statistics.median(
+                f["tokens_per_s"] / max(f["default_stream_tokens_per_s"], 1e-9) for f in fast
+            ),
+            "itl_p50_ms": 1000 * percentile(itl, 50),
+            "itl_p99_ms": 1000 * percentile(itl, 99),
+            "default_throughput": sum(f["default_throughput"] * f["seconds"] for f in fast)
+            / busy,
+        },
+        "ultrafast_requests": [{k: v for k, v in f.items() if k != "itl"} for f in fast],
+    }
+
+
+async def main_async(args) -> dict:
+    results = {"machine": machine(), "settings": vars(args), "runs": []}
+    targets = [None] + [float(t) for t in args.targets.split(",") if t]
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
+        for i, target in enumerate(targets):
+            flags = [] if target is None else [f"ultrafast.target_tokens_per_s={target}"]
+            server = Server(args, args.port + i, flags)
+            try:
+                lane_targets = await server.ready(http)
+                run = await run_phases(args, server.url, http)
+            finally:
+                server.stop()
+            run["ultrafast_target_tokens_per_s"] = lane_targets["ultrafast"]
+            run["target_itl_ms"] = 1000 / lane_targets["ultrafast"]
+            results["runs"].append(run)
+            report(run)
+    return results
+
+
+def report(run: dict) -> None:
+    a, b = run["default_alone"], run["with_ultrafast"]
+    print(
+        f"target {run['ultrafast_target_tokens_per_s']:.0f} tok/s "
+        f"(ITL {run['target_itl_ms']:.1f} ms) | ultrafast {b['ultrafast_tokens_per_s_median']:.1f}"
+        f" tok/s vs default stream {b['default_stream_tokens_per_s_median']:.1f} -> "
+        f"{b['ratio_median']:.1f}x | ITL p50 {b['itl_p50_ms']:.1f} ms p99 {b['itl_p99_ms']:.1f} ms"
+        f" | default throughput {a['throughput']:.0f} alone, {b['default_throughput']:.0f} "
+        f"with ultrafast",
+        flush=True,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--default-tokens", type=int, default=512)
+    ap.add_argument("--ultrafast", type=int, default=10)
+    ap.add_argument("--ultrafast-tokens", type=int, default=128)
+    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--window", type=float, default=20.0)
+    ap.add_argument("--targets", default="", help="more ultrafast targets (tokens/s) to run")
+    ap.add_argument("--port", type=int, default=8731)
+    args = ap.parse_args()
+    results = asyncio.run(main_async(args))
+    path = save_results("tiers", results)
+    print(f"results: {Path(path)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""`expresslane keys create|list|revoke` and `expresslane usage`: the accounts database."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from expresslane.lanes import LANE_NAMES
+
+
+def _db(args) -> str:
+    from expresslane.server.keys import default_accounts_path
+
+    return args.db or default_accounts_path()
+
+
+def _limit(text: str) -> tuple[str, dict]:
+    """'ultrafast:rpm=10,tpm=5000' -> ('ultrafast', {'rpm': 10, 'tpm': 5000})."""
+    tier, _, spec = text.partition(":")
+    limits = {}
+    for part in filter(None, spec.split(",")):
+        name, _, value = part.partition("=")
+        if name not in ("rpm", "tpm") or not value.isdigit():
+            raise SystemExit(f"--limit {text!r}: expected TIER:rpm=N,tpm=N")
+        limits[name] = int(value)
+    if tier not in LANE_NAMES:
+        raise SystemExit(f"--limit {text!r}: unknown tier {tier!r}; tiers are {LANE_NAMES}")
+    return tier, limits
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from expresslane.server.keys import KeyStore, Plan, connect
+
+    store = KeyStore(connect(_db(args)))
+    if args.action == "create":
+        tiers = args.tiers.split(",")
+        limits = {t: {"rpm": args.rpm, "tpm": args.tpm} for t in tiers}
+        for text in args.limit:
+            tier, values = _limit(text)
+            limits.setdefault(tier, {}).update(values)
+        try:
+            plan = Plan(
+                tiers=tiers,
+                default_tier=args.default_tier or tiers[0],
+                limits=limits,
+                monthly_tokens=args.monthly_tokens,
+                when_unavailable=args.when_unavailable,
+            )
+        except ValueError as e:
+            print(f"expresslane keys create: {e}", file=sys.stderr)
+            return 2
+        key, secret = store.create(args.name, plan)
+        if args.json:
+            print(json.dumps({"id": key.id, "name": key.name, "key": secret}))
+        else:
+            print(f"created {key.id} ({key.name}); the key is shown only now:\n{secret}")
+        return 0
+    if args.action == "list":
+        keys = store.list()
+        if args.json:
+            rows = [
+                {
+                    "id": k.id,
+                    "name": k.name,
+                    "hint": k.hint,
+                    "plan": json.loads(k.plan.to_json()),
+                    "created_at": k.created_at,
+                    "revoked_at": k.revoked_at,
+                }
+                for k in keys
+            ]
+            print(json.dumps(rows, indent=2))
+            return 0
+        _print_table(
+            ["id", "name", "key", "tiers", "default", "when unavailable", "status"],
+            [
+                [
+                    k.id,
+                    k.name,
+                    k.hint + "…",
+                    ",".join(k.plan.tiers),
+                    k.plan.default_tier,
+                    k.plan.when_unavailable,
+                    "revoked" if k.revoked_at else "active",
+                ]
+                for k in keys
+            ],
+            "API keys",
+        )
+        return 0
+    n = store.revoke(args.key)
+    if n == 0:
+        print(f"expresslane keys revoke: no active key {args.key!r}", file=sys.stderr)
+        return 1
+    print(f"revoked {n} key(s)")
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from expresslane.server.keys import connect
+    from expresslane.server.metering import Ledger, month_start
+
+    since = month_start() if args.month else time.time() - args.days * 86400 if args.days else 0
+    rows = Ledger(connect(_db(args))).usage(since)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _print_table(
+        ["key", "tier", "requests", "cancelled", "input", "cached", "output", "cost", "TTFT"],
+        [
+            [
+                r["key_id"],
+                r["tier"],
+                r["requests"],
+                r["cancelled"],
+                r["input_tokens"],
+                r["cached_tokens"],
+                r["output_tokens"],
+                f"{r['cost']:.6f}",
+                "-" if r["mean_ttft_s"] is None else f"{r['mean_ttft_s'] * 1000:.0f} ms",
+            ]
+            for r in rows
+        ],
+        "usage per key and tier",
+    )
+    return 0
+
+
+def _print_table(columns: list[str], rows: list[list], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(str(v) for v in r))
+    Console().print(table)
+
+
+def add_account_commands(sub) -> None:
+    db = argparse.ArgumentParser(add_help=False)
+    db.add_argument(
+        "--db",
+        default=None,
+        help="accounts database (default: $EXPRESSLANE_ACCOUNTS or "
+        "~/.local/share/expresslane/accounts.sqlite, as `serve` uses)",
+    )
+    k = sub.add_parser("keys", help="create, list and revoke API keys")
+    actions = k.add_subparsers(dest="action", required=True)
+    c = actions.add_parser("create", parents=[db], help="create a key (printed once)")
+    c.add_argument("name")
+    c.add_argument("--tiers", default="default,flex", help="allowed tiers, comma-separated")
+    c.add_argument("--default-tier", default=None, help="what 'auto' means (default: first)")
+    c.add_argument("--rpm", type=int, default=None, help="requests/min per tier")
+    c.add_argument("--tpm", type=int, default=None, help="tokens/min per tier")
+    c.add_argument(
+        "--limit", action="append", default=[], help="per tier: TIER:rpm=N,tpm=N (repeatable)"
+    )
+    c.add_argument("--monthly-tokens", type=int, default=None)
+    c.add_argument(
+        "--when-unavailable",
+        choices=["queue", "downgrade", "reject"],
+        default="queue",
+        help="when the tier asked for is full (or not allowed): wait, serve at the default "
+        "tier, or refuse",
+    )
+    c.add_argument("--json", action="store_true")
+    ls = actions.add_parser("list", parents=[db], help="list keys")
+    ls.add_argument("--json", action="store_true")
+    r = actions.add_parser("revoke", parents=[db], help="revoke a key by id or name")
+    r.add_argument("key")
+    k.set_defaults(func=cmd_keys)
+
+    u = sub.add_parser(
+        "usage", parents=[db], help="usage and cost per key and tier, from the ledger"
+    )
+    u.add_argument("--json", action="store_true")
+    u.add_argument("--month", action="store_true", help="this calendar month (UTC) only")
+    u.add_argument("--days", type=float, default=None, help="the last N days only")
+    u.set_defaults(func=cmd_usage)

@@ -1,0 +1,116 @@
+"""A step-latency model: how long one engine step takes for a given batch.
+
+    seconds ≈ a + b·sequences + c·tokens + d·(context tokens attended / 1024)
+
+(one such line for steps of up to 8 tokens, one for larger steps). The fixed part `a` is reading
+the weights (at small batch a step is memory bound), `b` the per-sequence overhead, `c` the
+per-token compute, `d` attention over the KV cache. The coefficients
+are fitted, non-negative, to steps measured at startup (`LLMEngine.calibrate`) and then to the
+steps the engine actually runs, so the model follows the device and its load. The scheduler uses
+it to cap the lower lanes so that an ultrafast request keeps its tokens/s target.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import numpy as np
+
+NUM_FEATURES = 4
+
+
+def features(num_seqs: int, num_tokens: int, context_tokens: int) -> tuple[float, ...]:
+    return (1.0, float(num_seqs), float(num_tokens), context_tokens / 1024.0)
+
+
+def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (exhaustive over the 16 active sets)."""
+    best, best_err = np.zeros(x.shape[1]), np.inf
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(x.shape[1]), err
+                best[list(cols)] = coef
+    return best
+
+
+class _Fit:
+    def __init__(self, window: int):
+        self.calibration: list[tuple[tuple[float, ...], float]] = []
+        self.recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.coef: np.ndarray | None = None
+
+    def fit(self) -> None:
+        # Calibration points keep the fit well-posed when live traffic covers only a few
+        # batch shapes; live points outnumber them and follow the device's current speed.
+        points = self.calibration + list(self.recent)
+        if len(points) >= 2:
+            x = np.array([p[0] for p in points])
+            self.coef = _fit_nonnegative(x, np.array([p[1] for p in points]))
+
+
+class StepLatencyModel:
+    """Two fits: steps of at most `small_tokens` tokens run other kernels (the small-batch
+    linear, the fused decode step) than larger ones, so each regime has its own line."""
+
+    def __init__(self, window: int = 512, refit_every: int = 64, small_tokens: int = 8):
+        self.small_tokens = small_tokens
+        self.fits = {"small": _Fit(window), "large": _Fit(window)}
+        self.refit_every = refit_every
+        self._since_fit = 0
+
+    def _regime(self, num_tokens: int) -> str:
+        return "small" if num_tokens <= self.small_tokens else "large"
+
+    @property
+    def ready(self) -> bool:
+        return any(f.coef is not None for f in self.fits.values())
+
+    @property
+    def calibration(self) -> list:
+        return [p for f in self.fits.values() for p in f.calibration]
+
+    def observe(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds: float):
+        point = (features(num_seqs, num_tokens, context_tokens), seconds)
+        self.fits[self._regime(num_tokens)].recent.append(point)
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.fit()
+
+    def add_calibration(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds):
+        point = (features(num_seqs, num_tokens, context_tokens), seconds)
+        self.fits[self._regime(num_tokens)].calibration.append(point)
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        for f in self.fits.values():
+            f.fit()
+
+    def set_costs(self, coef) -> None:
+        """Use these coefficients for every batch (tests, or a model measured elsewhere)."""
+        for f in self.fits.values():
+            f.coef = np.asarray(coef, dtype=float)
+
+    def predict(self, num_seqs: int, num_tokens: int, context_tokens: int) -> float:
+        fit = self.fits[self._regime(num_tokens)]
+        if fit.coef is None:
+            fit = next((f for f in self.fits.values() if f.coef is not None), None)
+            if fit is None:
+                return 0.0
+        return float(np.dot(fit.coef, features(num_seqs, num_tokens, context_tokens)))
+
+    def describe(self) -> str:
+        parts = []
+        for name, f in self.fits.items():
+            if f.coef is not None:
+                a, b, c, d = (1000 * v for v in f.coef)
+                parts.append(
+                    f"{name} steps: {a:.2f} ms + {b:.3f} ms/seq + {c:.4f} ms/token + "
+                    f"{d:.3f} ms per 1k context tokens"
+                )
+        return "; ".join(parts) or "not calibrated"

@@ -1,0 +1,175 @@
+"""Who may do what: authentication, tier entitlement, lane availability, rate limits, quota,
+and the ledger row written when a request ends.
+
+The order for one request: the key (401) -> the tier it asks for, `auto` meaning the key's
+default -> entitlement (403, or downgrade) -> lane full (queue, downgrade or 429, per key) ->
+monthly quota (429 `insufficient_quota`) -> requests/min and tokens/min of the served tier
+(429 with Retry-After). The outcome is a `Ticket` that travels with the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from expresslane.lanes import Lane
+from expresslane.server.errors import APIError
+from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, connect
+from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
+from expresslane.server.ratelimit import RateLimiter
+from expresslane.server.tiers import canonical_tier
+
+log = logging.getLogger("expresslane.server")
+
+
+@dataclass
+class Ticket:
+    key: ApiKey
+    tier_requested: str
+    tier: str  # the tier that serves it (echoed in the response)
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
+
+
+class Accounts:
+    def __init__(self, path: str, prices: Prices, lanes: dict[str, Lane]):
+        db = connect(path)
+        self.keys = KeyStore(db)
+        self.ledger = Ledger(db)
+        self.limiter = RateLimiter()
+        self.prices = prices
+        self.lanes = lanes
+        if not self.keys.has_keys():
+            log.warning(
+                "no API keys configured: open local mode, every tier open to anyone who can "
+                "reach the server (create one with `expresslane keys create NAME`)"
+            )
+
+    def close(self) -> None:
+        self.keys.db.close()
+
+    # -- per request -------------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        if not self.keys.has_keys():
+            return OPEN_ACCESS
+        scheme, _, secret = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise APIError(
+                401,
+                "Missing API key: send it as 'Authorization: Bearer <key>' (the openai SDK "
+                "does this with api_key=...).",
+                code="invalid_api_key",
+            )
+        key = self.keys.lookup(secret.strip())
+        if key is None:
+            raise APIError(
+                401,
+                f"Incorrect or revoked API key provided: {secret.strip()[:6]}…",
+                code="invalid_api_key",
+            )
+        return key
+
+    def admit(self, key: ApiKey, service_tier: str | None, lane_load) -> Ticket:
+        """Decide the serving tier; raises 403/429 APIErrors. `lane_load(tier)` counts the
+        requests of that lane in flight."""
+        plan = key.plan
+        asked = canonical_tier(service_tier, plan.default_tier)
+        tier = asked
+        lane = self.lanes.get(asked)
+        if lane is None or not lane.enabled:
+            offered = [n for n, la in self.lanes.items() if la.enabled]
+            raise APIError(
+                400,
+                f"The '{asked}' service tier is not offered by this server; it offers {offered}.",
+                param="service_tier",
+                code="unsupported_service_tier",
+            )
+        if asked not in plan.tiers:
+            if plan.when_unavailable != "downgrade":
+                raise APIError(
+                    403,
+                    f"This API key may not use the '{asked}' service tier; it may use "
+                    f"{plan.tiers}. Ask for one of those, or for 'auto'.",
+                    param="service_tier",
+                    code="tier_not_allowed",
+                )
+            tier = plan.default_tier
+        elif lane_load(asked) >= lane.max_batch and plan.when_unavailable != "queue":
+            lower = [
+                la
+                for la in self.lanes.values()
+                if la.rank > lane.rank and la.enabled and la.name in plan.tiers
+            ]
+            if plan.when_unavailable == "reject" or not lower:
+                raise APIError(
+                    429,
+                    f"The '{asked}' tier is at capacity ({lane.max_batch} requests in "
+                    "flight); retry shortly, or use another tier.",
+                    code="tier_at_capacity",
+                    headers={"retry-after": "1", "retry-after-ms": "1000"},
+                )
+            tier = min(lower, key=lambda la: la.rank).name  # the next lane down
+        if plan.monthly_tokens is not None:
+            used = self.ledger.tokens_since(key.id, month_start())
+            if used >= plan.monthly_tokens:
+                raise APIError(
+                    429,
+                    f"You exceeded your monthly quota of {plan.monthly_tokens} tokens "
+                    f"({used} used this month); it renews on the 1st (UTC).",
+                    code="insufficient_quota",
+                    type="insufficient_quota",
+                    headers={"x-should-retry": "false"},
+                )
+        return Ticket(key, asked, tier)
+
+    def charge(self, ticket: Ticket, tokens: int) -> None:
+        """Take one request and `tokens` (an estimate) from the served tier's limits."""
+        limits = ticket.key.plan.limits_for(ticket.tier)
+        d = self.limiter.take(ticket.key.id, ticket.tier, limits.rpm, limits.tpm, tokens)
+        ticket.headers = d.headers
+        if not d.allowed:
+            per = {"requests": limits.rpm, "tokens": limits.tpm}[d.limit]
+            raise APIError(
+                429,
+                f"Rate limit reached for the '{ticket.tier}' tier on {d.limit} per minute: "
+                f"limit {per}, requested {1 if d.limit == 'requests' else tokens}. Please try "
+                f"again in {d.retry_after * 1000:.0f}ms.",
+                code="rate_limit_exceeded",
+                type=d.limit,
+                headers=d.headers,
+            )
+
+    def finish(
+        self,
+        ticket: Ticket,
+        request_id: str,
+        model: str,
+        *,
+        status: str,
+        input_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        estimated_tokens: int,
+        timings: dict[str, float | None],
+    ) -> None:
+        """Write the ledger row of an ended request and settle its token estimate. A request
+        that failed on the server's side costs nothing."""
+        used = input_tokens + output_tokens
+        self.limiter.settle(ticket.key.id, ticket.tier, estimated_tokens, used)
+        multiplier = self.lanes[ticket.tier].price_multiplier
+        cost = self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier)
+        self.ledger.record(
+            LedgerRow(
+                request_id=request_id,
+                key_id=ticket.key.id,
+                tier_requested=ticket.tier_requested,
+                tier_served=ticket.tier,
+                model=model,
+                status=status,
+                input_tokens=input_tokens,
+                cached_tokens=cached_tokens,
+                output_tokens=output_tokens,
+                cost=0.0 if status == "error" else cost,
+                **timings,
+            )
+        )

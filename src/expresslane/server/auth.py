@@ -1,0 +1,64 @@
+"""ASGI middleware: authenticate every /v1 request (HTTP and WebSocket) and put the request's
+rate-limit headers on its response, streamed or not.
+
+The authenticated key is left in the request's state (`request.state.api_key`); the route sets
+`request.state.ticket` once it has admitted the request, and the ticket's `x-ratelimit-*`
+headers are added when the response starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from expresslane.server.errors import APIError
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, accounts):
+        self.app = app
+        self.accounts = accounts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        state = scope.setdefault("state", {})
+        try:
+            state["api_key"] = self.accounts.authenticate(headers.get("authorization"))
+        except APIError as e:
+            await _deny(scope, send, e)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ticket = state.get("ticket")
+                if ticket is not None and ticket.headers:
+                    present = {k.lower() for k, _ in message.get("headers", [])}
+                    extra = [
+                        (k.encode(), v.encode())
+                        for k, v in ticket.headers.items()
+                        if k.encode() not in present
+                    ]
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+async def _deny(scope: Scope, send: Send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    start = {
+        "status": error.status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+    }
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", **start})
+        await send({"type": "http.response.body", "body": body})
+    elif "websocket.http.response" in scope.get("extensions", {}):
+        await send({"type": "websocket.http.response.start", **start})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})

@@ -1,0 +1,172 @@
+"""API keys and their plans, in the accounts database (SQLite).
+
+A key is shown once, when created; only its SHA-256 is stored. Each key has a plan: the tiers it
+may use, its default tier (what `service_tier: "auto"` means for it), requests/min and
+tokens/min per tier, an optional monthly token quota, and what happens when the tier it asks
+for is unavailable (lane full, or a tier it lacks): `queue` (wait in the lane; a tier it lacks is
+still refused), `downgrade` (served by the next lane down it may use, or for a tier it lacks by
+its default tier; echoed in the response) or `reject`.
+With no key created at all the server runs in open local mode: anyone may use every tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from expresslane.lanes import LANE_NAMES
+
+KEY_PREFIX = "el-"
+POLICIES = ("queue", "downgrade", "reject")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    hint TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+"""
+
+
+def default_accounts_path() -> str:
+    """`$EXPRESSLANE_ACCOUNTS`, else `$XDG_DATA_HOME/expresslane/accounts.sqlite`."""
+    env = os.environ.get("EXPRESSLANE_ACCOUNTS")
+    if env:
+        return env
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
+    return os.path.join(base, "expresslane", "accounts.sqlite")
+
+
+@dataclass
+class TierLimits:
+    rpm: int | None = None  # requests per minute; None: unlimited
+    tpm: int | None = None  # tokens (prompt + output) per minute; None: unlimited
+
+
+@dataclass
+class Plan:
+    tiers: list[str] = field(default_factory=lambda: ["default", "flex"])
+    default_tier: str = "default"
+    limits: dict[str, TierLimits] = field(default_factory=dict)  # tier -> limits
+    monthly_tokens: int | None = None
+    when_unavailable: str = "queue"
+
+    def __post_init__(self):
+        bad = sorted(set(self.tiers) - set(LANE_NAMES))
+        if bad or not self.tiers:
+            raise ValueError(f"unknown tier(s) {bad}; tiers are {list(LANE_NAMES)}")
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"the default tier {self.default_tier!r} is not in {self.tiers}")
+        if self.when_unavailable not in POLICIES:
+            raise ValueError(f"when_unavailable must be one of {list(POLICIES)}")
+        self.limits = {
+            t: v if isinstance(v, TierLimits) else TierLimits(**v) for t, v in self.limits.items()
+        }
+
+    def limits_for(self, tier: str) -> TierLimits:
+        return self.limits.get(tier, TierLimits())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls(**json.loads(text))
+
+
+@dataclass
+class ApiKey:
+    id: str
+    name: str
+    hint: str  # the first characters, to recognize a key in listings
+    plan: Plan
+    created_at: float
+    revoked_at: float | None = None
+
+
+OPEN_ACCESS = ApiKey(
+    id="local",
+    name="open local mode",
+    hint="",
+    plan=Plan(tiers=list(LANE_NAMES), when_unavailable="queue"),
+    created_at=0.0,
+)
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def connect(path: str) -> sqlite3.Connection:
+    if path != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    if path != ":memory:":
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
+class KeyStore:
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+        self.lock = threading.Lock()
+        db.executescript(SCHEMA)
+
+    def create(self, name: str, plan: Plan) -> tuple[ApiKey, str]:
+        """A new key; returns it and its secret (the only time the secret is available)."""
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = ApiKey("key_" + secrets.token_hex(6), name, secret[:8], plan, time.time())
+        with self.lock:
+            self.db.execute(
+                "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                (key.id, name, _hash(secret), key.hint, plan.to_json(), key.created_at),
+            )
+        return key, secret
+
+    def has_keys(self) -> bool:
+        with self.lock:
+            return self.db.execute("SELECT 1 FROM api_keys LIMIT 1").fetchone() is not None
+
+    def lookup(self, secret: str) -> ApiKey | None:
+        """The active key with this secret, or None."""
+        with self.lock:
+            row = self.db.execute(
+                "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys "
+                "WHERE hash = ? AND revoked_at IS NULL",
+                (_hash(secret),),
+            ).fetchone()
+        return None if row is None else _key(row)
+
+    def list(self) -> list[ApiKey]:
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys "
+                "ORDER BY created_at"
+            ).fetchall()
+        return [_key(r) for r in rows]
+
+    def revoke(self, id_or_name: str) -> int:
+        """Revoke the key with this id (or every active key with this name); returns how many."""
+        with self.lock:
+            cur = self.db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE (id = ? OR name = ?) "
+                "AND revoked_at IS NULL",
+                (time.time(), id_or_name, id_or_name),
+            )
+        return cur.rowcount
+
+
+def _key(row) -> ApiKey:
+    return ApiKey(row[0], row[1], row[2], Plan.from_json(row[3]), row[4], row[5])

@@ -1,0 +1,147 @@
+"""Metering: one ledger row per finished or cancelled request, priced per tier.
+
+cost = (uncached input × input price + cached input × cached-input price + output × output
+price) / 1M × the serving lane's price multiplier (e.g. ultrafast 6×, flex 0.5×). Prices come
+from the `[prices]` table of the config file. `expresslane usage` sums the ledger per key and
+tier.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, fields
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    tier_requested TEXT NOT NULL,
+    tier_served TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    queue_s REAL,
+    ttft_s REAL,
+    decode_s REAL,
+    e2e_s REAL,
+    cost REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_key_ts ON ledger (key_id, ts);
+"""
+
+
+@dataclass
+class Prices:
+    """Base prices per 1M tokens (the default lane's; other lanes multiply them)."""
+
+    input_per_1m: float = 0.10
+    cached_input_per_1m: float = 0.025
+    output_per_1m: float = 0.40
+    currency: str = "USD"
+
+    @classmethod
+    def from_table(cls, table: dict | None) -> Prices:
+        table = dict(table or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"unknown [prices] setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**table)
+
+    def cost(self, input_tokens: int, cached: int, output: int, multiplier: float) -> float:
+        base = (
+            (input_tokens - cached) * self.input_per_1m
+            + cached * self.cached_input_per_1m
+            + output * self.output_per_1m
+        )
+        return base / 1e6 * multiplier
+
+
+@dataclass
+class LedgerRow:
+    request_id: str
+    key_id: str
+    tier_requested: str
+    tier_served: str
+    model: str
+    status: str  # finish reason: stop, length, abort (cancelled), error
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    decode_s: float | None
+    e2e_s: float | None
+    cost: float
+
+
+def month_start(now: float | None = None) -> float:
+    t = time.gmtime(now if now is not None else time.time())
+    return time.mktime((t.tm_year, t.tm_mon, 1, 0, 0, 0, 0, 0, 0)) - time.timezone
+
+
+class Ledger:
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+        self.lock = threading.Lock()
+        db.executescript(SCHEMA)
+
+    def record(self, row: LedgerRow) -> None:
+        names = [f.name for f in fields(LedgerRow)]
+        values = [getattr(row, n) for n in names]
+        with self.lock:
+            self.db.execute(
+                f"INSERT INTO ledger (ts, {', '.join(names)}) "
+                f"VALUES (?, {', '.join('?' * len(names))})",
+                [time.time(), *values],
+            )
+
+    def tokens_since(self, key_id: str, since: float) -> int:
+        with self.lock:
+            (total,) = self.db.execute(
+                "SELECT COALESCE(SUM(input_tokens + output_tokens), 0) FROM ledger "
+                "WHERE key_id = ? AND ts >= ?",
+                (key_id, since),
+            ).fetchone()
+        return int(total)
+
+    def usage(self, since: float | None = None) -> list[dict]:
+        """Totals per key and served tier."""
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT key_id, tier_served, COUNT(DISTINCT request_id), "
+                "SUM(status = 'abort'), SUM(input_tokens), SUM(cached_tokens), "
+                "SUM(output_tokens), SUM(cost), AVG(ttft_s), "
+                "SUM(output_tokens) / NULLIF(SUM(decode_s), 0) "
+                "FROM ledger WHERE ts >= ? GROUP BY key_id, tier_served "
+                "ORDER BY key_id, tier_served",
+                (since or 0.0,),
+            ).fetchall()
+        cols = [
+            "key_id",
+            "tier",
+            "requests",
+            "cancelled",
+            "input_tokens",
+            "cached_tokens",
+            "output_tokens",
+            "cost",
+            "mean_ttft_s",
+            "decode_tokens_per_s",
+        ]
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def rows(self, request_id: str | None = None) -> list[dict]:
+        with self.lock:
+            cur = self.db.execute(
+                "SELECT * FROM ledger" + (" WHERE request_id LIKE ?" if request_id else ""),
+                (request_id + "%",) if request_id else (),
+            )
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]

@@ -1,0 +1,122 @@
+"""Requests/min and tokens/min per key and tier: token buckets, and OpenAI's rate-limit headers.
+
+A bucket holds up to one minute's allowance and refills continuously. A request takes one from
+the requests bucket and its estimated tokens (prompt + max output tokens) from the tokens bucket;
+when it finishes, the estimate is corrected to the tokens it really used, so a bucket may go
+below zero and the next request then waits. A refused request gets 429 with `Retry-After`
+(whole seconds) and `retry-after-ms`, which the openai SDK honors.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+
+def go_duration(seconds: float) -> str:
+    """OpenAI's reset format: `0s`, `850ms`, `12s`, `6m0s`, `1h2m3s`."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    whole = math.ceil(seconds)
+    h, rest = divmod(whole, 3600)
+    m, s = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{s}s"
+    if m:
+        return f"{m}m{s}s"
+    return f"{s}s"
+
+
+class Bucket:
+    def __init__(self, per_minute: int):
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0  # refill per second
+        self.level = float(per_minute)
+        self.stamp = time.monotonic()
+
+    def refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` is available (0 if it is now)."""
+        if amount > self.capacity:
+            amount = self.capacity  # a request larger than a minute's allowance waits for all
+        missing = amount - self.level
+        return 0.0 if missing <= 0 else missing / self.rate
+
+    def reset_in(self) -> float:
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+
+@dataclass
+class Decision:
+    allowed: bool
+    retry_after: float  # seconds, when refused
+    headers: dict[str, str]
+    limit: str | None = None  # "requests" or "tokens": what was exhausted
+
+
+class RateLimiter:
+    def __init__(self):
+        self._buckets: dict[tuple[str, str, str], Bucket] = {}
+        self._lock = threading.Lock()
+
+    def _bucket(self, key_id: str, tier: str, kind: str, per_minute: int | None) -> Bucket | None:
+        if per_minute is None:
+            return None
+        b = self._buckets.get((key_id, tier, kind))
+        if b is None or b.capacity != per_minute:
+            b = self._buckets[(key_id, tier, kind)] = Bucket(per_minute)
+        return b
+
+    def take(self, key_id: str, tier: str, rpm: int | None, tpm: int | None, tokens: int):
+        """Take one request and `tokens` if both are available, else refuse (nothing taken)."""
+        now = time.monotonic()
+        with self._lock:
+            buckets = {
+                "requests": (self._bucket(key_id, tier, "requests", rpm), 1),
+                "tokens": (self._bucket(key_id, tier, "tokens", tpm), tokens),
+            }
+            waits = {}
+            for kind, (b, amount) in buckets.items():
+                if b is not None:
+                    b.refill(now)
+                    waits[kind] = b.wait_for(amount)
+            worst = max(waits, key=waits.get, default=None)
+            allowed = worst is None or waits[worst] == 0
+            if allowed:
+                for b, amount in buckets.values():
+                    if b is not None:
+                        b.level -= amount
+            headers = self._headers(buckets)
+        if allowed:
+            return Decision(True, 0.0, headers)
+        wait = waits[worst]
+        headers["retry-after"] = str(max(1, math.ceil(wait)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+        return Decision(False, wait, headers, limit=worst)
+
+    def settle(self, key_id: str, tier: str, estimated: int, used: int) -> None:
+        """Correct a request's token estimate to what it really used."""
+        with self._lock:
+            b = self._buckets.get((key_id, tier, "tokens"))
+            if b is not None:
+                b.refill(time.monotonic())
+                b.level = min(b.capacity, b.level + estimated - used)
+
+    @staticmethod
+    def _headers(buckets: dict) -> dict[str, str]:
+        headers = {}
+        for kind, (b, _) in buckets.items():
+            if b is None:
+                continue
+            headers[f"x-ratelimit-limit-{kind}"] = str(int(b.capacity))
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(b.level)))
+            headers[f"x-ratelimit-reset-{kind}"] = go_duration(b.reset_in())
+        return headers

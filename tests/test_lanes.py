@@ -1,0 +1,168 @@
+"""Lanes in the engine: ultrafast first, per-lane batch limits, the step-time cap on the lower
+lanes (from the step-latency model), flex preemption, per-lane speculation, calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expresslane import LLM, SamplingParams
+from expresslane.config import EngineConfig
+from expresslane.engine.engine import LLMEngine
+from expresslane.engine.step_model import StepLatencyModel, features
+from expresslane.errors import InvalidRequestError
+from expresslane.lanes import build_lanes
+
+from .conftest import random_prompts
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _engine(llama_dir, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", **options))
+
+
+def _run(engine: LLMEngine, reqs) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def solo(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32")
+    return lambda prompt, n: (
+        llm.generate(prompt, SamplingParams(max_tokens=n, **GREEDY))[0].token_ids
+    )
+
+
+def test_step_model_recovers_known_costs_without_negative_coefficients():
+    rng = np.random.default_rng(0)
+    model = StepLatencyModel(refit_every=10**9)
+    truth = np.array([0.004, 0.0002, 0.00001, 0.0])  # no context cost at all
+    for i in range(200):
+        seqs = int(rng.integers(1, 9 if i % 2 else 64))
+        tokens = seqs if i % 2 else seqs + int(rng.integers(8, 400))  # small and large steps
+        ctx = int(rng.integers(0, 20000))
+        y = float(truth @ features(seqs, tokens, ctx)) * (1 + rng.normal(0, 0.02))
+        model.observe(seqs, tokens, ctx, y)
+    model.fit()
+    assert all((f.coef >= 0).all() for f in model.fits.values())
+    for seqs, tokens, ctx in [(1, 1, 100), (8, 8, 3000), (32, 32, 8000), (4, 512, 600)]:
+        want = float(truth @ features(seqs, tokens, ctx))
+        assert model.predict(seqs, tokens, ctx) == pytest.approx(want, rel=0.05)
+
+
+def test_lane_settings_are_validated(llama_dir):
+    with pytest.raises(InvalidRequestError, match="unknown lane"):
+        build_lanes({"turbo": {}})
+    with pytest.raises(InvalidRequestError, match="unknown setting"):
+        build_lanes({"flex": {"speed": 3}})
+    with pytest.raises(InvalidRequestError, match="target_tokens_per_s"):
+        build_lanes({"ultrafast": {"target_tokens_per_s": -1}})
+    engine = _engine(llama_dir, num_kv_blocks=64, lanes={"flex": {"enabled": False}})
+    with pytest.raises(InvalidRequestError, match="'flex' lane is not served") as e:
+        engine.make_request([1, 2, 3], SamplingParams(max_tokens=2), lane="flex")
+    assert e.value.param == "service_tier"
+    assert not engine.requests
+
+
+def test_ultrafast_runs_first_and_each_lane_keeps_its_batch_limit(llama_dir, solo):
+    lanes = {"ultrafast": {"max_batch": 1, "target_tokens_per_s": None}}
+    engine = _engine(llama_dir, num_kv_blocks=256, lanes=lanes, max_num_batched_tokens=64)
+    prompts = random_prompts(6, 20, 30, seed=11)
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=8, **GREEDY), lane=lane)
+        for p, lane in zip(prompts, ["default"] * 3 + ["ultrafast"] * 3)
+    ]
+    engine.step()
+    running = engine.scheduler.running
+    # the token budget (64) fits about two prompts: the first ultrafast one is admitted
+    # first, the other ultrafast ones wait for the lane, defaults take the rest
+    assert running[0] is reqs[3]
+    assert sum(r.lane == "ultrafast" for r in running) == 1
+    assert any(r.lane == "default" for r in running)
+    while engine.has_unfinished():
+        engine.step()
+        assert sum(r.lane == "ultrafast" for r in engine.scheduler.running) <= 1
+    assert [r.output_token_ids for r in reqs] == [solo(p, 8) for p in prompts]
+
+
+def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir, solo):
+    engine = _engine(llama_dir, num_kv_blocks=512, lanes={"ultrafast": {"max_batch": 1}})
+    model = engine.step_model
+    model.refit_every = 10**9  # keep the hand-set costs below
+    model.set_costs([0.010, 0.001, 0.0, 0.0])  # 10 ms + 1 ms per sequence
+    # 50 tok/s = 20 ms per step, 17 ms with the scheduler's headroom: 7 sequences per step
+    engine.scheduler.targets = {0: 50.0}
+    engine._targets_resolved = True
+    prompts = random_prompts(21, 5, 12, seed=12)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    slow = [engine.add_request(p, params, request_id=f"d{i}") for i, p in enumerate(prompts[1:])]
+    engine.step()  # no ultrafast request yet: no cap, all 20 start
+    assert len(engine.scheduler.running) == 20
+    fast = engine.add_request(prompts[0], params, request_id="u", lane="ultrafast")
+    batches = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
+    while not fast.is_finished:
+        engine.step()
+        assert len(batches[-1].items) <= 7
+        progress = [r.num_output_tokens for r in slow]
+        assert max(progress) - min(progress) <= 1  # round robin within the lane
+    assert fast.num_output_tokens == 30
+    assert max(r.num_output_tokens for r in slow) < 30  # the lower lane was really capped
+    _run(engine, slow)
+    assert fast.output_token_ids == solo(prompts[0], 30)
+    assert [r.output_token_ids for r in slow] == [solo(p, 30) for p in prompts[1:]]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_flex_gives_way_to_default_and_resumes_without_losing_output(llama_dir, solo):
+    engine = _engine(llama_dir, num_kv_blocks=10, max_num_batched_tokens=256)
+    prompts = random_prompts(4, 30, 40, seed=13)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    flex = [
+        engine.add_request(p, params, request_id=f"f{i}", lane="flex")
+        for i, p in enumerate(prompts[:3])
+    ]
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_free_blocks < 3  # flex holds (nearly) the whole pool
+    before = sum(r.metrics.num_preemptions for r in flex)
+    default = engine.add_request(prompts[3], params, request_id="d")
+    engine.step()
+    assert default in engine.scheduler.running  # admitted at once: flex made room
+    assert sum(r.metrics.num_preemptions for r in flex) > before
+    _run(engine, flex + [default])
+    assert default.metrics.num_preemptions == 0
+    assert [r.output_token_ids for r in flex] == [solo(p, 40) for p in prompts[:3]]
+    assert default.output_token_ids == solo(prompts[3], 40)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_speculation_can_be_set_per_lane(llama_dir, solo):
+    lanes = {"ultrafast": {"speculative": {"method": "ngram", "num_tokens": 3}}}
+    engine = _engine(llama_dir, num_kv_blocks=256, lanes=lanes)
+    base = random_prompts(1, 8, 9, seed=14)[0]
+    prompt = base * 4  # repetitive: the n-gram proposer finds matches
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    fast = engine.add_request(prompt, params, request_id="u", lane="ultrafast")
+    _run(engine, [fast])
+    proposed_by_ultrafast = engine.spec_stats.proposed
+    slow = engine.add_request(prompt, params, request_id="d", lane="default")
+    _run(engine, [slow])
+    assert proposed_by_ultrafast > 0
+    assert engine.spec_stats.proposed == proposed_by_ultrafast  # default does not speculate
+    assert fast.output_token_ids == slow.output_token_ids == solo(prompt, 24)
+
+
+def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
+    engine = _engine(llama_dir, num_kv_blocks=1024)
+    engine.calibrate()
+    assert engine.step_model.ready
+    assert len(engine.step_model.calibration) >= 7  # several batch shapes were timed
+    assert engine.step_model.predict(1, 1, 64) > 0
+    target = engine.scheduler.targets[engine.lanes["ultrafast"].rank]
+    assert 0 < target < 1 / engine.step_model.predict(1, 1, 256)  # "auto": below solo speed
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
