@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from expresslane import LLM, SamplingParams
-from expresslane.spec import NgramProposer
+from expresslane.errors import InvalidRequestError
+from expresslane.spec import NgramProposer, make_proposer, proposal_length
 
 from .conftest import random_prompts
 
@@ -50,3 +51,59 @@ def test_speculation_respects_stops_and_small_budgets(llama_dir):
     ).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [len(o.token_ids) for o in spec] == [1, 2, 5, 17, 30, 64]
+
+
+def test_proposal_length_follows_the_acceptance_rate():
+    assert [proposal_length(a, 6) for a in (0.0, 0.3, 0.5, 0.8, 0.9, 0.99)] == [1, 1, 1, 4, 6, 6]
+    with pytest.raises(InvalidRequestError, match="unknown speculative setting"):
+        make_proposer({"num_tokens": 3, "depth": 2})
+    assert make_proposer({}, "cpu").max_batch == 8
+    assert make_proposer({"max_batch": None}).max_batch is None
+
+
+class _Scripted:
+    """Proposes the known greedy continuation (always right) or a shifted one (always wrong),
+    and records how many guesses it was asked for."""
+
+    def __init__(self, full: list[int], right: bool):
+        self.full = full
+        self.right = right
+        self.asked: list[int] = []
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        self.asked.append(k)
+        guess = self.full[len(token_ids) : len(token_ids) + k]
+        return guess if self.right else [(t + 1) % 512 for t in guess]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_guesses_per_request_adapt_to_acceptance(llama_dir, right):
+    prompt = random_prompts(1, 10, 11, seed=31)[0]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(str(llama_dir), dtype="float32").generate(prompt, params)[0].token_ids
+    llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
+    scripted = _Scripted(prompt + plain, right)
+    llm.engine.proposers[1].proposer = scripted
+    assert llm.generate(prompt, params)[0].token_ids == plain
+    asked = scripted.asked
+    assert asked[0] == 3  # the starting guess: acceptance 0.75
+    assert asked[-1] == (6 if right else 1)
+
+
+def test_speculation_stops_past_the_batch_limit_except_for_ultrafast(llama_dir):
+    base = random_prompts(4, 10, 20, seed=32)
+    prompts = [p + p for p in base]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(str(llama_dir), dtype="float32").generate(prompts, params)
+    spec = {"num_tokens": 4, "max_batch": 2}
+    llm = LLM(str(llama_dir), dtype="float32", speculative=spec)
+    outs = llm.generate(prompts, params)  # 4 running at once: past the limit of 2
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.proposed == 0
+    engine = llm.engine
+    reqs = [engine.add_request(p, params, lane="ultrafast") for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lane_spec_stats["ultrafast"].proposed > 0
+    assert engine.lane_spec_stats["default"].proposed == 0
+    assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]

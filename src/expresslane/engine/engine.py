@@ -22,7 +22,7 @@ from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec import make_proposer
+from expresslane.spec import make_proposer, proposal_length
 from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
 
@@ -81,12 +81,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.proposers = {}  # lane rank -> (proposer, tokens per step)
+        self.proposers = {}  # lane rank -> SpecConfig
         for lane in self.lanes.values():
             spec = lane.speculative if lane.speculative is not None else config.speculative
             if spec:
-                self.proposers[lane.rank] = make_proposer(spec)
-        self.spec_stats = SpecStats()
+                self.proposers[lane.rank] = make_proposer(spec, self.device.type)
+        self.spec_stats = SpecStats()  # all lanes
+        self.lane_spec_stats = {name: SpecStats() for name in self.lanes}
         self._targets_resolved = False
         self._calibrating = False  # steps are timed into the calibration set
 
@@ -230,24 +231,38 @@ class LLMEngine:
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
             self.spec_stats.record(len(drafts), appended - 1)
+            self.lane_spec_stats[req.lane].record(len(drafts), appended - 1)
+            rate = (appended - 1) / len(drafts)
+            req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * rate
         if req.priority in self.proposers:
             rates = self.scheduler.tokens_per_step
             rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended
         return appended
 
     def _propose(self) -> None:
-        """Guess the next tokens of greedy requests that are decoding."""
-        for req in self.scheduler.running:
-            if req.priority not in self.proposers:
+        """Guess the next tokens of greedy requests that are decoding. Lanes without a speed
+        target stop guessing while the running batch is past where verification pays."""
+        running = self.scheduler.running
+        for req in running:
+            spec = self.proposers.get(req.priority)
+            if spec is None:
                 continue
-            proposer, k = self.proposers[req.priority]
+            if (
+                spec.max_batch is not None
+                and len(running) > spec.max_batch
+                and self.lanes[req.lane].target_tokens_per_s is None
+            ):
+                continue
             p = req.params
             decoding = req.num_computed_tokens == req.num_tokens - 1
             if not decoding or not p.greedy or req.num_output_tokens < p.min_tokens:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            k = spec.num_tokens
+            if spec.adaptive:
+                k = proposal_length(req.spec_acceptance, k)
             if room > 1:
-                req.draft_ids = proposer.propose(req.token_ids, min(k, room - 1))
+                req.draft_ids = spec.proposer.propose(req.token_ids, min(k, room - 1))
 
     # -- step-latency model ---------------------------------------------------------------
 

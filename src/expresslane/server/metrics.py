@@ -10,7 +10,7 @@ at scrape time.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from expresslane.engine.output import RequestOutput
 from expresslane.lanes import LANE_NAMES
@@ -118,6 +118,15 @@ class _EngineCollector:
             if target is not None:
                 g.add_metric([self.model_name, lane.name], target)
         yield g
+        for name, field, doc in (
+            ("spec_decode_num_drafts", "steps", "Verification passes that checked guesses"),
+            ("spec_decode_num_draft_tokens", "proposed", "Speculative tokens proposed"),
+            ("spec_decode_num_accepted_tokens", "accepted", "Speculative tokens accepted"),
+        ):
+            c = CounterMetricFamily(P + name, doc, labels=LABELS)
+            for lane, stats in eng.lane_spec_stats.items():
+                c.add_metric([self.model_name, lane], getattr(stats, field))
+            yield c
         used, total = eng.kv.num_used_blocks, eng.kv.num_blocks
         for name, value, doc in (
             ("kv_cache_used_blocks", used, "KV cache blocks held by requests"),

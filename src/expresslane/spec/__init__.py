@@ -4,9 +4,15 @@ own), so the output is exactly what plain decoding would produce."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from expresslane.spec.ngram import NgramProposer
+
+# Running batch above which speculation stops paying (verification makes every sequence k+1
+# tokens wide): past the small-batch kernels on CPU, past the memory-bound region on a GPU.
+# The ultrafast lane speculates at any batch.
+DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 32}
 
 
 class Proposer(Protocol):
@@ -14,17 +20,44 @@ class Proposer(Protocol):
         """Up to k guesses for the tokens that follow `token_ids`."""
 
 
-def make_proposer(spec: dict) -> tuple[Proposer, int]:
-    """From `LLM(speculative=...)`: returns (proposer, tokens per step)."""
+@dataclass
+class SpecConfig:
+    proposer: Proposer
+    num_tokens: int  # the most guesses per step
+    max_batch: int | None  # speculate only while the running batch is at most this
+    adaptive: bool = True  # each request's guesses follow its acceptance rate
+
+
+def make_proposer(spec: dict, device_type: str = "cpu") -> SpecConfig:
+    """From `LLM(speculative=...)` or a lane's `speculative` setting."""
     from expresslane.errors import InvalidRequestError
 
+    known = {"method", "num_tokens", "min_n", "max_n", "max_batch", "adaptive"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown speculative setting(s) {unknown}; known: {sorted(known)}"
+        )
     method = spec.get("method", "ngram")
     k = int(spec.get("num_tokens", 4))
     if k < 1:
         raise InvalidRequestError("speculative num_tokens must be at least 1")
+    max_batch = spec.get("max_batch", "auto")
+    if max_batch == "auto":
+        max_batch = DEFAULT_MAX_BATCH.get(device_type, 8)
+    adaptive = bool(spec.get("adaptive", True))
     if method == "ngram":
-        return NgramProposer(spec.get("min_n", 1), spec.get("max_n", 4)), k
+        proposer = NgramProposer(spec.get("min_n", 1), spec.get("max_n", 4))
+        return SpecConfig(proposer, k, max_batch, adaptive)
     raise InvalidRequestError(f"unknown speculative method {method!r}; available: ngram")
 
 
-__all__ = ["NgramProposer", "Proposer", "make_proposer"]
+def proposal_length(acceptance: float, max_tokens: int) -> int:
+    """Guesses worth proposing at this acceptance rate: about the expected run of accepted
+    ones, a/(1-a) (1 at a=0.5, 4 at a=0.8), at least 1 so the rate keeps being measured."""
+    if acceptance >= 0.95:
+        return max_tokens
+    return max(1, min(max_tokens, round(acceptance / (1 - acceptance))))
+
+
+__all__ = ["NgramProposer", "Proposer", "SpecConfig", "make_proposer", "proposal_length"]
