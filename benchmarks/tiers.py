@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from common import machine, save_results
 
-PROMPT = "def parse_config(path):\n    \"\"\"Read the config file at *path*.\"\"\"\n"
+PROMPT = 'def parse_config(path):\n    """Read the config file at *path*."""\n'
 
 
 class Server:
@@ -42,7 +42,9 @@ class Server:
         for flag in lane_flags:
             cmd += ["--lane", flag]
         env = {**os.environ, "EXPRESSLANE_ACCOUNTS": ":memory:", "EXPRESSLANE_STORE": ":memory:"}
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.url = f"http://127.0.0.1:{port}"
 
     async def ready(self, http: httpx.AsyncClient) -> dict:
@@ -51,6 +53,8 @@ class Server:
                 if (await http.get(self.url + "/health")).status_code == 200:
                     text = (await http.get(self.url + "/metrics")).text
                     if "lane_target_tokens_per_second{" in text:  # calibrated
+                        models = (await http.get(self.url + "/v1/models")).json()
+                        self.model = models["data"][0]["id"]
                         return _targets(text)
             except httpx.TransportError:
                 pass
@@ -71,10 +75,10 @@ def _targets(metrics: str) -> dict[str, float]:
     return out
 
 
-async def stream(http, url: str, tier: str, max_tokens: int, stamps: list[float]) -> None:
+async def stream(http, server, tier: str, max_tokens: int, stamps: list[float]) -> None:
     """One streamed completion; appends a timestamp per received token to `stamps`."""
     body = {
-        "model": "any",
+        "model": server.model,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "stream": True,
@@ -82,7 +86,7 @@ async def stream(http, url: str, tier: str, max_tokens: int, stamps: list[float]
         "ignore_eos": True,
         "service_tier": tier,
     }
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+    async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
@@ -92,9 +96,9 @@ async def stream(http, url: str, tier: str, max_tokens: int, stamps: list[float]
             stamps.extend([now] * len(lp.get("tokens") or []))
 
 
-async def default_worker(http, url, args, stamps: list[float], stop: asyncio.Event):
+async def default_worker(http, server, args, stamps: list[float], stop: asyncio.Event):
     while not stop.is_set():
-        await stream(http, url, "default", args.default_tokens, stamps)
+        await stream(http, server, "default", args.default_tokens, stamps)
 
 
 def count_between(stamps: list[float], start: float, end: float) -> int:
@@ -106,12 +110,10 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-async def run_phases(args, url: str, http) -> dict:
+async def run_phases(args, server: Server, http) -> dict:
     per_stream: list[list[float]] = [[] for _ in range(args.streams)]
     stop = asyncio.Event()
-    workers = [
-        asyncio.create_task(default_worker(http, url, args, s, stop)) for s in per_stream
-    ]
+    workers = [asyncio.create_task(default_worker(http, server, args, s, stop)) for s in per_stream]
     await asyncio.sleep(args.warmup)
     a0 = time.perf_counter()
     await asyncio.sleep(args.window)
@@ -120,7 +122,7 @@ async def run_phases(args, url: str, http) -> dict:
     fast = []
     for _ in range(args.ultrafast):
         stamps: list[float] = []
-        await stream(http, url, "ultrafast", args.ultrafast_tokens, stamps)
+        await stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
         first, last = stamps[0], stamps[-1]
         others = [count_between(s, first, last) / (last - first) for s in per_stream]
         fast.append(
@@ -149,13 +151,16 @@ async def run_phases(args, url: str, http) -> dict:
             "default_stream_tokens_per_s_median": statistics.median(
                 f["default_stream_tokens_per_s"] for f in fast
             ),
+            # None when the default streams got no token at all during ultrafast requests
             "ratio_median": statistics.median(
-                f["tokens_per_s"] / max(f["default_stream_tokens_per_s"], 1e-9) for f in fast
+                f["tokens_per_s"] / f["default_stream_tokens_per_s"]
+                if f["default_stream_tokens_per_s"]
+                else float("inf")
+                for f in fast
             ),
             "itl_p50_ms": 1000 * percentile(itl, 50),
             "itl_p99_ms": 1000 * percentile(itl, 99),
-            "default_throughput": sum(f["default_throughput"] * f["seconds"] for f in fast)
-            / busy,
+            "default_throughput": sum(f["default_throughput"] * f["seconds"] for f in fast) / busy,
         },
         "ultrafast_requests": [{k: v for k, v in f.items() if k != "itl"} for f in fast],
     }
@@ -170,10 +175,12 @@ async def main_async(args) -> dict:
             server = Server(args, args.port + i, flags)
             try:
                 lane_targets = await server.ready(http)
-                run = await run_phases(args, server.url, http)
+                run = await run_phases(args, server, http)
             finally:
                 server.stop()
             run["ultrafast_target_tokens_per_s"] = lane_targets["ultrafast"]
+            if run["with_ultrafast"]["ratio_median"] == float("inf"):
+                run["with_ultrafast"]["ratio_median"] = None
             run["target_itl_ms"] = 1000 / lane_targets["ultrafast"]
             results["runs"].append(run)
             report(run)
@@ -186,7 +193,8 @@ def report(run: dict) -> None:
         f"target {run['ultrafast_target_tokens_per_s']:.0f} tok/s "
         f"(ITL {run['target_itl_ms']:.1f} ms) | ultrafast {b['ultrafast_tokens_per_s_median']:.1f}"
         f" tok/s vs default stream {b['default_stream_tokens_per_s_median']:.1f} -> "
-        f"{b['ratio_median']:.1f}x | ITL p50 {b['itl_p50_ms']:.1f} ms p99 {b['itl_p99_ms']:.1f} ms"
+        f"{b['ratio_median'] or float('inf'):.1f}x | ITL p50 {b['itl_p50_ms']:.1f} ms "
+        f"p99 {b['itl_p99_ms']:.1f} ms"
         f" | default throughput {a['throughput']:.0f} alone, {b['default_throughput']:.0f} "
         f"with ultrafast",
         flush=True,

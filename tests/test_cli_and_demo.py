@@ -1,10 +1,14 @@
-"""The `expresslane generate` command and the demo model's random-weight stand-in."""
+"""The `expresslane generate` command, the bundled demo models (parity with transformers) and
+their random-weight stand-in."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from expresslane import LLM, SamplingParams
 from expresslane.cli import main
-from expresslane.demo import TARGET_DIR, write_random_checkpoint
+from expresslane.demo import DRAFT_DIR, TARGET_DIR, write_random_checkpoint
 
 
 def test_generate_command_prints_the_completion(llama_dir, capsys):
@@ -20,3 +24,30 @@ def test_random_demo_checkpoint_loads_with_the_real_tokenizer(tmp_path):
     assert prompt.endswith("<|im_start|>assistant\n")
     out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+DEMO_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+
+@pytest.mark.skipif(
+    not (TARGET_DIR / "model.safetensors").is_file(), reason="demo weights not bundled"
+)
+@pytest.mark.parametrize("model_dir", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
+def test_demo_models_match_transformers_greedy(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(str(model_dir), dtype="float32")
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for prompt in DEMO_PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            want = hf.generate(ids, max_new_tokens=48, do_sample=False, min_new_tokens=48)
+        got = llm.generate(ids[0].tolist(), params)[0].token_ids
+        assert got == want[0, ids.shape[1] :].tolist()
+    assert llm.generate(DEMO_PROMPTS[0], params)[0].text.strip()  # real, non-empty text
