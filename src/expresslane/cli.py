@@ -113,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_serve)
 
+    from expresslane.bench.cli import add_bench_command
     from expresslane.cli_accounts import add_account_commands
 
     add_account_commands(sub)
+    add_bench_command(sub)
     return parser
 
 

@@ -1,0 +1,20 @@
+"""`expresslane bench`: a load generator and report for any OpenAI-compatible endpoint.
+
+Files, one concept each:
+
+- `records.py`: `RequestRecord`, the raw client-side timestamps and server counts of a request.
+- `workloads.py`: `Turn`, `Session`, the `Workload` protocol and the registry of workloads by
+  name (`synthetic.py`, `replay.py`; more, e.g. an agent workload, register the same way).
+- `target.py`: the endpoint under test and the request bodies for Chat and Responses.
+- `events.py`: streamed events (SSE or WebSocket) into a record's fields.
+- `retry.py`: which failures are retried and how long to wait.
+- `transport.py`: the `Sender`/`Transport` types; `client.py` (HTTP + SSE) and `ws_client.py`
+  (Responses WebSocket mode) implement them.
+- `schedule.py`: seeded Poisson arrival times (open loop).
+- `runner.py`: closed-loop (concurrency) and open-loop (rate) runs, sessions, warmup, progress.
+- `metrics.py`: TTFT, TPOT, ITL, E2E, throughput, goodput from records, and their definitions.
+- `headline.py`: the headline numbers shown in tables.
+- `report.py`: `results.json` (schema in its docstring) and `report.md`; `plots.py`: the PNGs.
+- `compare.py`: `expresslane bench compare A B`.
+- `cli.py`: the `bench` command line.
+"""

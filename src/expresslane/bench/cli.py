@@ -1,0 +1,289 @@
+"""`expresslane bench` (run a benchmark) and `expresslane bench compare A B`.
+
+The run's options live on `bench` itself and `compare` is an optional sub-command, so
+`expresslane bench --base-url URL ...` runs and `expresslane bench compare A B` compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from expresslane import __version__
+from expresslane.bench.headline import HEADLINES
+from expresslane.bench.metrics import parse_slo
+from expresslane.bench.plots import write_plots
+from expresslane.bench.report import build_results, write_files
+from expresslane.bench.runner import Level, run_benchmark
+from expresslane.bench.target import Target
+from expresslane.bench.workloads import Workload, WorkloadOptions, make_workload
+
+EXAMPLES = """\
+examples:
+  expresslane bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --requests 200
+  expresslane bench --base-url http://127.0.0.1:8000 --rate 2,4 --duration 60 --tier ultrafast \\
+      --slo ttft=0.5,tpot=0.05
+  expresslane bench --base-url URL --workload replay:trace.jsonl --transport websocket
+  expresslane bench compare bench-results/before bench-results/after
+"""
+
+# (flag, attribute) pairs written back into the recorded command, in this order.
+RECORDED = (
+    ("--base-url", "base_url"),
+    ("--model", "model"),
+    ("--api", "api"),
+    ("--transport", "transport"),
+    ("--workload", "workload"),
+    ("--tier", "tier"),
+    ("--concurrency", "concurrency"),
+    ("--rate", "rate"),
+    ("--requests", "requests"),
+    ("--duration", "duration"),
+    ("--input-tokens", "input_tokens"),
+    ("--output-tokens", "output_tokens"),
+    ("--prefix-tokens", "prefix_tokens"),
+    ("--seed", "seed"),
+    ("--slo", "slo"),
+    ("--warmup", "warmup"),
+    ("--max-retries", "max_retries"),
+    ("--timeout", "timeout"),
+    ("--extra-body", "extra_body"),
+    ("--out", "out"),
+)
+
+
+def add_bench_command(sub: Any) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="benchmark any OpenAI-compatible endpoint (or `bench compare A B`)",
+        description="Load-test an OpenAI-compatible endpoint and write results.json, report.md "
+        "and plots. Metric definitions are at the end of report.md.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("--base-url", help="the endpoint, e.g. http://127.0.0.1:8000 (/v1 optional)")
+    b.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    b.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (never recorded)")
+    b.add_argument(
+        "--api",
+        choices=("responses", "chat"),
+        default=None,
+        help="API to call (default: chat; responses with --transport websocket)",
+    )
+    b.add_argument(
+        "--transport",
+        choices=("http", "websocket"),
+        default="http",
+        help="websocket: the Responses API WebSocket mode, one socket per session",
+    )
+    b.add_argument("--workload", default="synthetic", help="synthetic (default) or replay:FILE")
+    b.add_argument("--tier", help="service_tier to request (default: none sent)")
+    load = b.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", help="closed loop: comma-separated levels, one run each (default 1)"
+    )
+    load.add_argument(
+        "--rate",
+        help="open loop: Poisson arrivals, requests/s; comma-separated "
+        "levels, one run each ('inf': all at once)",
+    )
+    stop = b.add_mutually_exclusive_group()
+    stop.add_argument(
+        "--requests",
+        type=int,
+        help="requests per run (default: the workload's, 100 for synthetic, one pass for replay)",
+    )
+    stop.add_argument("--duration", type=float, help="seconds per run (in-flight ones finish)")
+    b.add_argument("--input-tokens", type=int, default=256, help="synthetic prompt words")
+    b.add_argument("--output-tokens", type=int, default=128, help="max output tokens")
+    b.add_argument("--prefix-tokens", type=int, default=0, help="synthetic shared-prefix words")
+    b.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="don't send ignore_eos with synthetic requests (for endpoints without it)",
+    )
+    b.add_argument(
+        "--extra-body",
+        default=None,
+        help="JSON merged into every request body, e.g. '{\"temperature\": 0}'",
+    )
+    b.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    b.add_argument("--slo", default=None, help="goodput SLOs in seconds: ttft=0.5,tpot=0.05,e2e=10")
+    b.add_argument("--warmup", type=int, default=1, help="unrecorded requests before the runs")
+    b.add_argument("--max-retries", type=int, default=3, help="retries on 408/409/429/5xx")
+    b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    b.add_argument("--out", default=None, help="output directory (default: bench-results/TIME)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    compare_sub = b.add_subparsers(
+        dest="bench_command", title="optional sub-command", metavar="compare"
+    )
+    c = compare_sub.add_parser("compare", help="compare two results.json (files or directories)")
+    c.add_argument("a", help="baseline results.json or its directory")
+    c.add_argument("b", help="results.json or its directory to compare with A")
+    c.add_argument("--out", default=None, help="where compare.md/png go (default: next to B)")
+    c.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from expresslane.bench.compare import compare
+
+    try:
+        return compare(args.a, args.b, args.out)
+    except (OSError, ValueError) as e:
+        print(f"expresslane bench compare: {e}", file=sys.stderr)
+        return 2
+
+
+def _levels(args: argparse.Namespace) -> list[Level]:
+    try:
+        if args.rate:
+            levels = [Level(rate=float(x)) for x in args.rate.split(",")]
+            bad = [lv for lv in levels if not lv.rate or lv.rate <= 0]
+        else:
+            levels = [Level(concurrency=int(x)) for x in (args.concurrency or "1").split(",")]
+            bad = [lv for lv in levels if lv.concurrency is None or lv.concurrency < 1]
+    except ValueError as e:
+        raise SystemExit(f"expresslane bench: --concurrency/--rate: {e}") from e
+    if bad:
+        raise SystemExit("expresslane bench: concurrency and rate levels must be positive")
+    return levels
+
+
+def first_model(target: Target) -> str:
+    """The first model id of GET /v1/models."""
+    r = httpx.get(target.url("models"), headers=target.headers(), timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def recorded_command(args: argparse.Namespace) -> str:
+    parts = ["expresslane", "bench"]
+    for flag, attr in RECORDED:
+        value = getattr(args, attr, None)
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.api_key:
+        parts += ["--api-key", "***"]
+    if args.no_ignore_eos:
+        parts.append("--no-ignore-eos")
+    return shlex.join(parts)
+
+
+def summary_table(data: dict[str, Any]) -> Table:
+    table = Table(title="expresslane bench")
+    table.add_column("metric")
+    for run in data["runs"]:
+        table.add_column(run["label"], justify="right")
+    for h in HEADLINES:
+        table.add_row(h.title, *(h.format(run["summary"]) for run in data["runs"]))
+    return table
+
+
+def _target(args: argparse.Namespace) -> Target:
+    try:
+        extra_body = json.loads(args.extra_body) if args.extra_body else {}
+    except ValueError as e:
+        raise SystemExit(f"expresslane bench: --extra-body is not JSON: {e}") from e
+    if not isinstance(extra_body, dict):
+        raise SystemExit("expresslane bench: --extra-body must be a JSON object")
+    target = Target(
+        base_url=args.base_url,
+        model=args.model,
+        api=args.api,
+        transport=args.transport,
+        api_key=args.api_key,
+        tier=args.tier,
+        max_retries=args.max_retries,
+        timeout_s=args.timeout,
+        extra_body=extra_body,
+    )
+    if target.model is None:
+        try:
+            target.model = args.model = first_model(target)
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise SystemExit(f"expresslane bench: no --model and GET /v1/models failed: {e}") from e
+    return target
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    options = WorkloadOptions(
+        seed=args.seed,
+        input_tokens=args.input_tokens,
+        output_tokens=args.output_tokens,
+        prefix_tokens=args.prefix_tokens,
+        ignore_eos=not args.no_ignore_eos,
+    )
+    try:
+        return make_workload(args.workload, options)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"expresslane bench: {e}") from e
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.base_url:
+        raise SystemExit("expresslane bench: give --base-url (or use `bench compare A B`)")
+    args.api = args.api or ("responses" if args.transport == "websocket" else "chat")
+    started_at = datetime.now(timezone.utc)
+    args.out = args.out or str(Path("bench-results") / started_at.strftime("%Y%m%d-%H%M%S"))
+    try:
+        slo = parse_slo(args.slo)
+    except ValueError as e:
+        raise SystemExit(f"expresslane bench: {e}") from e
+    levels = _levels(args)
+    workload = _workload(args)
+    if args.requests is None and args.duration is None:
+        args.requests = workload.default_requests()
+    target = _target(args)
+    results = asyncio.run(
+        run_benchmark(
+            target,
+            workload,
+            levels,
+            requests=args.requests,
+            duration_s=args.duration,
+            seed=args.seed,
+            warmup_requests=args.warmup,
+            show_progress=not args.quiet and sys.stderr.isatty(),
+        )
+    )
+    meta = {
+        "base_url": args.base_url,
+        "model": target.model,
+        "api": args.api,
+        "transport": args.transport,
+        "workload": args.workload,
+        "tier": args.tier,
+        "seed": args.seed,
+        "started_at": started_at.isoformat(timespec="seconds"),
+        "expresslane_version": __version__,
+        "command": recorded_command(args),
+        "requests": args.requests,
+        "duration_s": args.duration,
+        "slo": slo or None,
+    }
+    data = build_results(meta, results, slo)
+    out = Path(args.out)
+    written = write_files(out, data)
+    plots, skipped = write_plots(out, data)
+    written += plots
+    console = Console()
+    console.print(summary_table(data))
+    if skipped:
+        console.print(f"[yellow]{skipped}[/]")
+    console.print(f"wrote {', '.join(p.name for p in written)} in {out}", soft_wrap=True)
+    if not any(run["summary"]["completed"] for run in data["runs"]):
+        first = next((r["error"] for run in data["runs"] for r in run["records"]), None)
+        print(f"expresslane bench: every request failed (first error: {first})", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,110 @@
+"""`StreamReader`: turns a streamed response's events into a `RequestRecord`'s fields.
+
+The same events arrive over SSE (HTTP) and the Responses WebSocket mode. An output chunk is any
+event that carries new output: Chat `delta.content` / reasoning / `tool_calls`, Responses
+`*.delta` text, reasoning and function-call arguments. The assistant text kept for the next
+turn of a session is the visible text only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from expresslane.bench.records import RequestRecord
+
+RESPONSES_CHUNKS = {
+    "response.output_text.delta",
+    "response.refusal.delta",
+    "response.reasoning_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.function_call_arguments.delta",
+}
+RESPONSES_DONE = {"response.completed", "response.incomplete"}
+
+
+def error_message(payload: Any) -> str:
+    """The message of an OpenAI-shaped error (`{"error": {"message"}}`), else the payload."""
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    return str(payload)[:500]
+
+
+class StreamReader:
+    def __init__(self, rec: RequestRecord, api: str):
+        self.rec = rec
+        self.api = api
+        self.parts: list[str] = []
+        self.done = False  # a terminal event arrived
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def _chunk(self, now: float) -> None:
+        if self.rec.first_token is None:
+            self.rec.first_token = now
+        self.rec.chunk_times.append(now)
+
+    def fail(self, message: str, status: int | None = None) -> None:
+        self.rec.error = message
+        if status is not None:
+            self.rec.status = status
+        self.done = True
+
+    def feed(self, event: dict[str, Any], now: float) -> None:
+        if self.api == "chat":
+            self._chat(event, now)
+        else:
+            self._responses(event, now)
+
+    def _chat(self, event: dict[str, Any], now: float) -> None:
+        if event.get("error"):
+            self.fail(error_message(event))
+            return
+        new_output = False
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.parts.append(delta["content"])
+                new_output = True
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            new_output = new_output or bool(reasoning or delta.get("tool_calls"))
+        if new_output:
+            self._chunk(now)
+        if event.get("service_tier"):
+            self.rec.served_tier = event["service_tier"]
+        usage = event.get("usage")
+        if usage:
+            self.rec.input_tokens = usage.get("prompt_tokens")
+            self.rec.output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            self.rec.cached_tokens = details.get("cached_tokens")
+
+    def _responses(self, event: dict[str, Any], now: float) -> None:
+        kind = event.get("type")
+        if kind in RESPONSES_CHUNKS:
+            if not event.get("delta"):
+                return
+            if kind == "response.output_text.delta":
+                self.parts.append(event["delta"])
+            self._chunk(now)
+        elif kind == "error":
+            self.fail(error_message(event), event.get("status"))
+        elif kind == "response.failed":
+            self._response(event.get("response") or {})
+            self.fail(error_message(event.get("response") or event))
+        elif kind in RESPONSES_DONE or kind in ("response.created", "response.in_progress"):
+            self._response(event.get("response") or {})
+            self.done = kind in RESPONSES_DONE
+
+    def _response(self, response: dict[str, Any]) -> None:
+        if response.get("service_tier"):
+            self.rec.served_tier = response["service_tier"]
+        usage = response.get("usage")
+        if usage:
+            self.rec.input_tokens = usage.get("input_tokens")
+            self.rec.output_tokens = usage.get("output_tokens")
+            details = usage.get("input_tokens_details") or {}
+            self.rec.cached_tokens = details.get("cached_tokens")

@@ -1,0 +1,49 @@
+"""`RequestRecord`: what the client saw of one request, kept raw so any metric can be recomputed.
+
+Times are seconds from the start of the run (`time.perf_counter()` at run start = 0).
+`scheduled` is when the load model wanted the request sent (open loop: its Poisson arrival
+time; closed loop: when a worker became free), so latencies measured from it include any time
+the client itself was late (no coordinated omission).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class RequestRecord:
+    scheduled: float
+    sent: float | None = None  # first attempt's request written
+    headers: float | None = None  # response headers (WebSocket: first event) of the last attempt
+    first_token: float | None = None  # first streamed output chunk
+    chunk_times: list[float] = field(default_factory=list)  # every streamed output chunk
+    end: float | None = None  # stream finished (or failed)
+    input_tokens: int | None = None  # from the server's usage
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    served_tier: str | None = None  # the response's service_tier
+    status: int | None = None  # HTTP status (WebSocket: 200, or an error event's status)
+    error: str | None = None
+    retries: int = 0
+    session: str | None = None
+    turn: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+    def reset_attempt(self) -> None:
+        """Forget a failed attempt's response before a retry (`sent` stays the first send)."""
+        self.headers = self.first_token = self.end = None
+        self.chunk_times = []
+        self.status = None
+        self.error = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RequestRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

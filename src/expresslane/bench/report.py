@@ -1,0 +1,162 @@
+"""The benchmark's files: `results.json` (everything, raw records included) and `report.md`.
+
+`results.json` schema (version 1); times in seconds, throughputs per second:
+
+    {"schema_version": 1,
+     "meta": {"base_url", "model", "api": "chat"|"responses", "transport": "http"|"websocket",
+              "workload", "tier", "seed", "started_at" (ISO 8601 UTC), "expresslane_version",
+              "command", "requests", "duration_s", "slo"},
+     "runs": [{"label": "c=8" | "rate=2",
+               "concurrency": 8 | "rate": 2.0,
+               "started_at": ISO 8601,
+               "summary": {"requests", "completed", "errors", "error_messages", "retries",
+                           "duration_s", "input_tokens", "cached_tokens", "output_tokens",
+                           "request_throughput", "output_throughput", "total_token_throughput",
+                           "slo", "goodput", "slo_attainment",
+                           "ttft", "tpot", "itl", "e2e", "queue", "per_request_tokens_per_s":
+                               {"count", "mean", "min", "p50", "p90", "p99", "max"},
+                           "tiers": {TIER: {"requests", "ttft", "e2e",
+                                            "per_request_tokens_per_s"}}},
+               "records": [RequestRecord.to_dict(), ...]}]}
+
+Metric definitions: `metrics.DEFINITIONS` (also at the end of report.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from expresslane.bench.headline import HEADLINES, fmt
+from expresslane.bench.metrics import DEFINITIONS, summarize
+from expresslane.bench.runner import RunResult
+
+SCHEMA_VERSION = 1
+RESULTS = "results.json"
+STAT_ROWS = (
+    ("TTFT", "ttft", 1000, "ms"),
+    ("TPOT", "tpot", 1000, "ms"),
+    ("ITL", "itl", 1000, "ms"),
+    ("E2E", "e2e", 1000, "ms"),
+    ("Queue (client)", "queue", 1000, "ms"),
+    ("Per-request tokens/s", "per_request_tokens_per_s", 1, "tok/s"),
+)
+
+
+def run_entry(result: RunResult, slo: dict[str, float] | None) -> dict[str, Any]:
+    level = result.level
+    entry: dict[str, Any] = {"label": level.label}
+    if level.concurrency is not None:
+        entry["concurrency"] = level.concurrency
+    else:
+        entry["rate"] = level.rate
+    entry["started_at"] = result.started_at
+    entry["summary"] = summarize(result.records, result.duration_s, slo)
+    entry["records"] = [r.to_dict() for r in result.records]
+    return entry
+
+
+def build_results(
+    meta: dict[str, Any], results: list[RunResult], slo: dict[str, float] | None
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "meta": meta,
+        "runs": [run_entry(r, slo) for r in results],
+    }
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results.json, given as the file or the directory holding it."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / RESULTS
+    data = json.loads(p.read_text())
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{p}: unsupported schema_version {data.get('schema_version')!r}")
+    return data
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def markdown(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    lines = [
+        "# expresslane bench report",
+        "",
+        f"- target: `{meta.get('base_url')}`, model `{meta.get('model')}`, api "
+        f"`{meta.get('api')}` over {meta.get('transport')}, tier `{meta.get('tier') or '-'}`",
+        f"- workload: `{meta.get('workload')}`, seed {meta.get('seed')}, started "
+        f"{meta.get('started_at')}, expresslane {meta.get('expresslane_version')}",
+        f"- command: `{meta.get('command')}`",
+        "",
+        "## Summary",
+        "",
+    ]
+    header = ["run"] + [h.title for h in HEADLINES]
+    rows = [[run["label"]] + [h.format(run["summary"]) for h in HEADLINES] for run in data["runs"]]
+    lines += _table(header, rows)
+    for run in data["runs"]:
+        s = run["summary"]
+        lines += [
+            "",
+            f"## {run['label']}",
+            "",
+            f"{s['completed']} of {s['requests']} requests completed in {s['duration_s']:.2f} s "
+            f"({s['errors']} errors, {s['retries']} retries); {s['input_tokens']} input tokens "
+            f"({s['cached_tokens']} cached), {s['output_tokens']} output tokens.",
+            "",
+        ]
+        stat_rows = []
+        for title, key, scale, unit in STAT_ROWS:
+            st = s[key]
+            cells = [
+                st[k] * scale if st[k] is not None else None for k in ("mean", "p50", "p90", "p99")
+            ]
+            stat_rows.append(
+                [f"{title} ({unit})"] + [fmt(c, 2) for c in cells] + [str(st["count"])]
+            )
+        lines += _table(["metric", "mean", "p50", "p90", "p99", "samples"], stat_rows)
+        if s.get("slo"):
+            slo = ", ".join(f"{k} ≤ {v:g} s" for k, v in s["slo"].items())
+            att = s["slo_attainment"]
+            lines += [
+                "",
+                f"Goodput ({slo}): {fmt(s['goodput'], 2)} req/s, "
+                f"SLO attainment {fmt(None if att is None else 100 * att, 1)}%.",
+            ]
+        if s["tiers"]:
+            tier_rows = [
+                [
+                    tier,
+                    str(t["requests"]),
+                    fmt(_ms(t["ttft"]["p50"])),
+                    fmt(t["per_request_tokens_per_s"]["p50"]),
+                ]
+                for tier, t in s["tiers"].items()
+            ]
+            lines += [""] + _table(
+                ["served tier", "requests", "TTFT p50 ms", "tok/s p50"], tier_rows
+            )
+        if s["error_messages"]:
+            lines += ["", "Errors:"] + [f"- {n}× {msg}" for msg, n in s["error_messages"].items()]
+    lines += ["", "## Metric definitions", "", DEFINITIONS]
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1000 * x
+
+
+def write_files(out: Path, data: dict[str, Any]) -> list[Path]:
+    """results.json and report.md; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / RESULTS
+    results.write_text(json.dumps(data, indent=1))
+    report = out / "report.md"
+    report.write_text(markdown(data))
+    return [results, report]

@@ -1,0 +1,61 @@
+"""`Target`: the endpoint under test and the shape of the requests sent to it.
+
+`base_url` may be given with or without the trailing `/v1` (`http://host:8000` and
+`http://host:8000/v1` are the same target). Bodies carry `service_tier` only when one is given,
+so endpoints that don't know the field still work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from expresslane.bench.workloads import Turn
+
+Api = Literal["chat", "responses"]
+TransportName = Literal["http", "websocket"]
+
+
+@dataclass
+class Target:
+    base_url: str
+    model: str | None = None
+    api: Api = "responses"
+    transport: TransportName = "http"
+    api_key: str | None = None
+    tier: str | None = None
+    max_retries: int = 3
+    timeout_s: float = 600.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def api_root(self) -> str:
+        root = self.base_url.rstrip("/")
+        return root if root.endswith("/v1") else root + "/v1"
+
+    def url(self, path: str) -> str:
+        return f"{self.api_root}/{path.lstrip('/')}"
+
+    @property
+    def ws_url(self) -> str:
+        url = self.url("responses")
+        return "ws" + url[4:] if url.startswith("http") else url
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, messages: list[dict[str, Any]], turn: Turn) -> dict[str, Any]:
+        """The streamed request body for this target's API."""
+        body: dict[str, Any] = {"model": self.model, "stream": True}
+        if self.api == "chat":
+            body["messages"] = messages
+            body["max_tokens"] = turn.max_tokens
+            body["stream_options"] = {"include_usage": True}
+        else:
+            body["input"] = messages
+            body["max_output_tokens"] = turn.max_tokens
+        if self.tier:
+            body["service_tier"] = self.tier
+        body.update(self.extra_body)
+        body.update(turn.extra)
+        return body

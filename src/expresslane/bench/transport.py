@@ -1,0 +1,34 @@
+"""Transports: how a session's requests reach the server (HTTP+SSE or the Responses WebSocket
+mode). A transport hands out one `Sender` per session; over WebSocket a session keeps one
+connection for all its turns."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from expresslane.bench.records import RequestRecord
+from expresslane.bench.target import Target
+from expresslane.bench.workloads import Turn
+
+Clock = Callable[[], float]  # seconds since the run started
+Sender = Callable[[list[dict[str, Any]], Turn, RequestRecord, Clock], Awaitable[str]]
+
+
+class Transport(Protocol):
+    def session(self) -> AbstractAsyncContextManager[Sender]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def make_transport(target: Target) -> Transport:
+    if target.transport == "websocket":
+        if target.api != "responses":
+            raise ValueError("--transport websocket needs --api responses")
+        from expresslane.bench.ws_client import WsTransport
+
+        return WsTransport(target)
+    from expresslane.bench.client import HttpTransport
+
+    return HttpTransport(target)
