@@ -8,7 +8,8 @@ are independent of expresslane's own engine. For each model directory (``target`
    its 1024 next tokens, as in training). Reports mean loss (nats/token), perplexity and bits/byte.
 2. Function completion: ``--n-functions`` held-out functions with a docstring and a short body
    (1-15 lines after the docstring). The prompt is the header (decorators, signature, docstring,
-   dedented); greedy decoding of up to 200 new tokens, cut at the first non-empty line indented at
+   dedented), ending at the docstring's closing quotes (no newline: see `eval_completion`); greedy
+   decoding of up to 200 new tokens, cut at the first non-empty line indented at
    or left of the ``def`` (or at EOS). Success: ``ast.parse(header + completion)`` passes and the
    completion has at least one statement line. When the 200 tokens run out first, the unfinished
    last line is dropped before parsing (counted as ``truncated``).
@@ -147,7 +148,11 @@ def eval_completion(model, tok, functions: list[dict], max_new: int) -> dict:
     ok = empty = truncated = 0
     samples = []
     for fn in functions:
-        prompt = fn["header"] + "\n"
+        # The prompt ends at the docstring's closing quotes, not after a newline: the tokenizer
+        # merges a newline with the next line's indentation ("\n    "), so a prompt ending in
+        # a bare newline token is off the training distribution (the model then emits blank
+        # lines). The model writes that newline-and-indent token itself.
+        prompt = fn["header"]
         raw, hit_eos = generate(model, tok, prompt, max_new, make_stopper)
         body, cut = dedent_cut(strip_eos(raw))
         if not cut and not hit_eos:

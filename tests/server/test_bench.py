@@ -26,7 +26,7 @@ from expresslane.bench.runner import Budget, closed_loop, play_session
 from expresslane.bench.schedule import poisson_arrivals
 from expresslane.bench.synthetic import SyntheticWorkload
 from expresslane.bench.target import Target
-from expresslane.bench.workloads import Session, Turn, WorkloadOptions
+from expresslane.bench.workloads import Reply, Session, Turn, WorkloadOptions
 from expresslane.bench.ws_client import WsTransport
 from expresslane.cli import main
 
@@ -202,7 +202,7 @@ class FakeTransport:
             await asyncio.sleep(0.01)
             rec.first_token = rec.end = clock()
             rec.chunk_times = [rec.end]
-            return f"reply {len(self.sent)}"
+            return Reply(f"reply {len(self.sent)}")
 
         yield send
 
@@ -309,7 +309,7 @@ async def mocked(statuses: list[int], max_retries: int = 3) -> tuple[RequestReco
     rec = RequestRecord(scheduled=0.0)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         clock = iter(range(100)).__next__
-        text = await send_http(
+        reply = await send_http(
             client,
             target,
             [{"role": "user", "content": "hi"}],
@@ -317,7 +317,7 @@ async def mocked(statuses: list[int], max_retries: int = 3) -> tuple[RequestReco
             rec,
             lambda: float(clock()),
         )
-    return rec, text, bodies
+    return rec, reply.text, bodies
 
 
 async def test_retries_429_then_succeeds():

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from expresslane import __version__
-from expresslane.bench.headline import HEADLINES
+from expresslane.bench.headline import headlines
 from expresslane.bench.metrics import parse_slo
 from expresslane.bench.plots import write_plots
 from expresslane.bench.report import build_results, write_files
@@ -34,6 +34,8 @@ examples:
   expresslane bench --base-url http://127.0.0.1:8000 --rate 2,4 --duration 60 --tier ultrafast \\
       --slo ttft=0.5,tpot=0.05
   expresslane bench --base-url URL --workload replay:trace.jsonl --transport websocket
+  expresslane bench --base-url URL --workload agent --concurrency 1,6
+  expresslane bench --base-url URL --workload agent:60 --tool-time lognormal:0.5,0.8
   expresslane bench compare bench-results/before bench-results/after
 """
 
@@ -52,6 +54,8 @@ RECORDED = (
     ("--input-tokens", "input_tokens"),
     ("--output-tokens", "output_tokens"),
     ("--prefix-tokens", "prefix_tokens"),
+    ("--agent-max-turns", "agent_max_turns"),
+    ("--tool-time", "tool_time"),
     ("--seed", "seed"),
     ("--slo", "slo"),
     ("--warmup", "warmup"),
@@ -86,7 +90,12 @@ def add_bench_command(sub: Any) -> None:
         default="http",
         help="websocket: the Responses API WebSocket mode, one socket per session",
     )
-    b.add_argument("--workload", default="synthetic", help="synthetic (default) or replay:FILE")
+    b.add_argument(
+        "--workload",
+        default="synthetic",
+        help="synthetic (default), replay:FILE, or agent[:N] (a coding agent fixing N bundled "
+        "tasks per run, default each once; see report.md for its time split)",
+    )
     b.add_argument("--tier", help="service_tier to request (default: none sent)")
     load = b.add_mutually_exclusive_group()
     load.add_argument(
@@ -101,12 +110,23 @@ def add_bench_command(sub: Any) -> None:
     stop.add_argument(
         "--requests",
         type=int,
-        help="requests per run (default: the workload's, 100 for synthetic, one pass for replay)",
+        help="requests per run (default: the workload's: 100 for synthetic, one pass for "
+        "replay; agent: no cap, a run ends when its tasks are done)",
     )
     stop.add_argument("--duration", type=float, help="seconds per run (in-flight ones finish)")
     b.add_argument("--input-tokens", type=int, default=256, help="synthetic prompt words")
-    b.add_argument("--output-tokens", type=int, default=128, help="max output tokens")
+    b.add_argument(
+        "--output-tokens", type=int, help="max output tokens per request (default 128; agent 1024)"
+    )
     b.add_argument("--prefix-tokens", type=int, default=0, help="synthetic shared-prefix words")
+    b.add_argument("--agent-max-turns", type=int, default=6, help="agent: most requests per task")
+    b.add_argument(
+        "--tool-time",
+        default=None,
+        help="agent: simulate tools, each call sleeping a seeded delay (seconds) from const:S, "
+        "uniform:A,B, exp:MEAN or lognormal:MEDIAN,SIGMA and returning a canned result "
+        "(nothing runs, so tasks are not verified)",
+    )
     b.add_argument(
         "--no-ignore-eos",
         action="store_true",
@@ -185,7 +205,7 @@ def summary_table(data: dict[str, Any]) -> Table:
     table.add_column("metric")
     for run in data["runs"]:
         table.add_column(run["label"], justify="right")
-    for h in HEADLINES:
+    for h in headlines(*(run["summary"] for run in data["runs"])):
         table.add_row(h.title, *(h.format(run["summary"]) for run in data["runs"]))
     return table
 
@@ -223,6 +243,8 @@ def _workload(args: argparse.Namespace) -> Workload:
         output_tokens=args.output_tokens,
         prefix_tokens=args.prefix_tokens,
         ignore_eos=not args.no_ignore_eos,
+        agent_max_turns=6 if args.agent_max_turns is None else args.agent_max_turns,
+        tool_time=args.tool_time,
     )
     try:
         return make_workload(args.workload, options)

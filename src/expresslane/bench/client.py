@@ -21,7 +21,7 @@ from expresslane.bench.records import RequestRecord
 from expresslane.bench.retry import retry_wait, should_retry
 from expresslane.bench.target import Target
 from expresslane.bench.transport import Clock, Sender
-from expresslane.bench.workloads import Turn
+from expresslane.bench.workloads import Reply, Turn
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
@@ -43,8 +43,8 @@ async def _attempt(
     body: dict[str, Any],
     rec: RequestRecord,
     clock: Clock,
-) -> tuple[str, httpx.Headers | None]:
-    """One attempt; returns the assistant text and, when it may be retried, the headers."""
+) -> tuple[Reply, httpx.Headers | None]:
+    """One attempt; returns the assistant's reply and, when it may be retried, the headers."""
     path = "chat/completions" if target.api == "chat" else "responses"
     reader = StreamReader(rec, target.api)
     try:
@@ -61,7 +61,7 @@ async def _attempt(
                     payload = raw.decode("utf-8", "replace")
                 rec.error = f"HTTP {resp.status_code}: {error_message(payload)}"
                 rec.end = clock()
-                return "", resp.headers
+                return Reply(), resp.headers
             async for data in sse_data(resp):
                 if data.strip() == "[DONE]":
                     reader.done = True
@@ -74,7 +74,7 @@ async def _attempt(
     rec.end = clock()
     if rec.error is None and not reader.done:
         rec.error = "the stream ended before the response was complete"
-    return reader.text, None
+    return reader.reply, None
 
 
 async def send_http(
@@ -84,12 +84,12 @@ async def send_http(
     turn: Turn,
     rec: RequestRecord,
     clock: Clock,
-) -> str:
-    """Send one streamed request, retrying as allowed; returns the assistant's text."""
+) -> Reply:
+    """Send one streamed request, retrying as allowed; returns the assistant's reply."""
     body = target.body(messages, turn)
     rec.sent = clock()
     while True:
-        text, headers = await _attempt(client, target, body, rec, clock)
+        reply, headers = await _attempt(client, target, body, rec, clock)
         if headers is None or rec.retries >= target.max_retries:
             break
         if not should_retry(rec.status, headers):
@@ -97,7 +97,7 @@ async def send_http(
         await asyncio.sleep(retry_wait(rec.retries + 1, headers))
         rec.retries += 1
         rec.reset_attempt()
-    return text
+    return reply
 
 
 class HttpTransport:
@@ -108,7 +108,7 @@ class HttpTransport:
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[Sender]:
-        async def send(messages, turn: Turn, rec: RequestRecord, clock: Clock) -> str:
+        async def send(messages, turn: Turn, rec: RequestRecord, clock: Clock) -> Reply:
             return await send_http(self.client, self.target, messages, turn, rec, clock)
 
         yield send

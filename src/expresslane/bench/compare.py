@@ -1,8 +1,9 @@
 """`expresslane bench compare A B`: two results.json side by side, with the ratio B/A.
 
 Runs are paired by label (`c=8` with `c=8`); when the two files share no label and each has
-one run, those two are paired. Writes `compare.md` and `compare_cdf.png` (A solid, B dashed)
-next to B's results, or into `--out`.
+one run, those two are paired. Writes `compare.md` and `compare_cdf.png` (A solid, B dashed),
+and for agent runs `compare_task_breakdown.png` (A's and B's bars), next to B's results, or
+into `--out`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from expresslane.bench.headline import HEADLINES, fmt
-from expresslane.bench.plots import MISSING, color, latency_cdf, pyplot
+from expresslane.bench.headline import fmt, headlines
+from expresslane.bench.plots import (
+    MISSING,
+    agent_bars,
+    color,
+    latency_cdf,
+    pyplot,
+    task_breakdown,
+)
 from expresslane.bench.report import load_results
 
 Pair = tuple[str, dict[str, Any], dict[str, Any]]
@@ -38,7 +46,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def rows(pair: Pair) -> list[list[str]]:
     _, ra, rb = pair
     out = []
-    for h in HEADLINES:
+    for h in headlines(ra["summary"], rb["summary"]):
         va, vb = h.value(ra["summary"]), h.value(rb["summary"])
         out.append([h.title, fmt(va, h.digits), fmt(vb, h.digits), fmt(ratio(va, vb), 2)])
     return out
@@ -103,5 +111,9 @@ def compare(
             curves.append((f"A {label}", ra, {"color": color(plt, i)}))
             curves.append((f"B {label}", rb, {"color": color(plt, i), "linestyle": "--"}))
         written.append(latency_cdf(plt, curves, out_dir / "compare_cdf.png"))
+        bars = agent_bars(a, "A ") + agent_bars(b, "B ")
+        breakdown = task_breakdown(plt, bars, out_dir / "compare_task_breakdown.png")
+        if breakdown is not None:
+            written.append(breakdown)
     console.print("wrote " + ", ".join(str(p) for p in written))
     return 0 if pairs else 1

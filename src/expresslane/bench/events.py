@@ -2,8 +2,10 @@
 
 The same events arrive over SSE (HTTP) and the Responses WebSocket mode. An output chunk is any
 event that carries new output: Chat `delta.content` / reasoning / `tool_calls`, Responses
-`*.delta` text, reasoning and function-call arguments. The assistant text kept for the next
-turn of a session is the visible text only.
+`*.delta` text, reasoning and function-call arguments. The reply kept for the next turn of a
+session is the visible text and the tool calls: Chat `delta.tool_calls` fragments joined by
+their `index`, Responses `function_call` items from `response.output_item.done` (or, if a
+server sends none, from the final response's `output`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from expresslane.bench.records import RequestRecord
+from expresslane.bench.workloads import Reply, ToolCall
 
 RESPONSES_CHUNKS = {
     "response.output_text.delta",
@@ -36,11 +39,39 @@ class StreamReader:
         self.rec = rec
         self.api = api
         self.parts: list[str] = []
+        self.calls: dict[int, dict[str, str]] = {}  # by Chat index or Responses output order
         self.done = False  # a terminal event arrived
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def reply(self) -> Reply:
+        calls = [
+            ToolCall(c.get("id") or f"call_{i}", c.get("name", ""), c.get("arguments", ""))
+            for i, c in sorted(self.calls.items())
+        ]
+        return Reply(self.text, calls)
+
+    def _chat_calls(self, deltas: list[dict[str, Any]]) -> None:
+        for n, d in enumerate(deltas):
+            call = self.calls.setdefault(d.get("index", n), {})
+            fn = d.get("function") or {}
+            if d.get("id"):
+                call["id"] = d["id"]
+            if fn.get("name"):
+                call["name"] = call.get("name", "") + fn["name"]
+            if fn.get("arguments"):
+                call["arguments"] = call.get("arguments", "") + fn["arguments"]
+
+    def _responses_call(self, item: dict[str, Any]) -> None:
+        if item.get("type") == "function_call":
+            self.calls[len(self.calls)] = {
+                "id": item.get("call_id") or item.get("id") or "",
+                "name": item.get("name") or "",
+                "arguments": item.get("arguments") or "",
+            }
 
     def _chunk(self, now: float) -> None:
         if self.rec.first_token is None:
@@ -71,6 +102,8 @@ class StreamReader:
                 new_output = True
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             new_output = new_output or bool(reasoning or delta.get("tool_calls"))
+            if delta.get("tool_calls"):
+                self._chat_calls(delta["tool_calls"])
         if new_output:
             self._chunk(now)
         if event.get("service_tier"):
@@ -90,6 +123,8 @@ class StreamReader:
             if kind == "response.output_text.delta":
                 self.parts.append(event["delta"])
             self._chunk(now)
+        elif kind == "response.output_item.done":
+            self._responses_call(event.get("item") or {})
         elif kind == "error":
             self.fail(error_message(event), event.get("status"))
         elif kind == "response.failed":
@@ -98,6 +133,9 @@ class StreamReader:
         elif kind in RESPONSES_DONE or kind in ("response.created", "response.in_progress"):
             self._response(event.get("response") or {})
             self.done = kind in RESPONSES_DONE
+            if self.done and not self.calls:
+                for item in (event.get("response") or {}).get("output") or []:
+                    self._responses_call(item)
 
     def _response(self, response: dict[str, Any]) -> None:
         if response.get("service_tier"):

@@ -44,3 +44,23 @@ HEADLINES = (
     Headline("E2E p99 s", ("e2e", "p99"), digits=3),
     Headline("tok/s per request p50", ("per_request_tokens_per_s", "p50")),
 )
+
+# Shown as well when a run has agent tasks (summary["agent"]).
+AGENT_HEADLINES = (
+    Headline("agent tasks", ("agent", "tasks"), digits=0),
+    Headline("accepted %", ("agent", "acceptance_rate"), 100),
+    Headline("tasks/h", ("agent", "tasks_per_hour")),
+    Headline("task s p50", ("agent", "task_s", "p50"), digits=2),
+    Headline("queue+prompt s/task", ("agent", "queue_prompt_s", "mean"), digits=2),
+    Headline("generation s/task", ("agent", "generation_s", "mean"), digits=2),
+    Headline("tools s/task", ("agent", "tool_s", "mean"), digits=2),
+    Headline("verification s/task", ("agent", "verification_s", "mean"), digits=2),
+    Headline("client s/task", ("agent", "client_overhead_s", "mean"), digits=2),
+    Headline("turns/task p50", ("agent", "turns", "p50")),
+)
+
+
+def headlines(*summaries: dict[str, Any]) -> tuple[Headline, ...]:
+    """HEADLINES, plus AGENT_HEADLINES when any of the summaries has agent tasks."""
+    agent = any(s.get("agent") for s in summaries)
+    return HEADLINES + AGENT_HEADLINES if agent else HEADLINES

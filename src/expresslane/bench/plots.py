@@ -1,4 +1,5 @@
-"""PNG plots of a results.json: latency CDFs, throughput against per-user speed, tiers.
+"""PNG plots of a results.json: latency CDFs, throughput against per-user speed, tiers, and
+for the agent workload the split of a task's time (`task_breakdown.png`).
 
 matplotlib is optional (the `bench` extra): without it the plots are skipped with a message.
 """
@@ -11,8 +12,10 @@ from typing import Any
 import numpy as np
 
 from expresslane.bench import metrics
+from expresslane.bench.agent_metrics import COMPONENTS, TITLES
 from expresslane.bench.records import RequestRecord
 
+BREAKDOWN = "task_breakdown.png"
 MISSING = "plots skipped: matplotlib is not installed (pip install 'expresslane[bench]')"
 
 
@@ -112,6 +115,41 @@ def _p50(per_tier: dict[str, Any], tier: str, key: str, scale: float) -> float:
     return 0.0 if value is None else value * scale
 
 
+def agent_bars(data: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """(bar label, agent summary) for each run of a results.json that has agent tasks."""
+    tier = data["meta"].get("tier")
+    suffix = f"\ntier {tier}" if tier else ""
+    return [
+        (prefix + run["label"] + suffix, run["summary"]["agent"])
+        for run in data["runs"]
+        if run["summary"].get("agent")
+    ]
+
+
+def task_breakdown(plt: Any, bars: list[tuple[str, dict[str, Any]]], path: Path) -> Path | None:
+    """One stacked bar per (label, agent summary): the mean seconds per task in each part."""
+    if not bars:
+        return None
+    labels = [label for label, _ in bars]
+    fig, ax = plt.subplots(figsize=(4.5 + 1.1 * len(bars), 4.5))
+    bottom = np.zeros(len(bars))
+    for i, key in enumerate(COMPONENTS):
+        means = np.array([agent[key]["mean"] or 0.0 for _, agent in bars])
+        # Client overhead can come out a hair below zero from clock rounding.
+        means = np.maximum(means, 0.0)
+        ax.bar(labels, means, 0.6, bottom=bottom, label=TITLES[key], color=color(plt, i))
+        bottom += means
+    ax.set_xlim(-0.8, len(bars) - 0.2)
+    ax.set_ylabel("mean seconds per task")
+    ax.set_title("where an agent task's time goes")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def color(plt: Any, i: int) -> Any:
     return plt.get_cmap("tab10")(i % 10)
 
@@ -126,7 +164,8 @@ def write_plots(out: Path, data: dict[str, Any]) -> tuple[list[Path], str | None
         latency_cdf(plt, curves, out / "latency_cdf.png"),
         throughput_vs_speed(plt, data, out / "throughput_vs_speed.png"),
     ]
-    tier_plot = tiers(plt, data, out / "tiers.png")
-    if tier_plot is not None:
-        paths.append(tier_plot)
+    breakdown = task_breakdown(plt, agent_bars(data), out / BREAKDOWN)
+    for extra in (tiers(plt, data, out / "tiers.png"), breakdown):
+        if extra is not None:
+            paths.append(extra)
     return paths, None

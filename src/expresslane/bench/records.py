@@ -1,4 +1,5 @@
-"""`RequestRecord`: what the client saw of one request, kept raw so any metric can be recomputed.
+"""`RequestRecord`: what the client saw of one request, kept raw so any metric can be recomputed;
+`TaskRecord`: what a task-shaped session (the agent workload) did besides its requests.
 
 Times are seconds from the start of the run (`time.perf_counter()` at run start = 0).
 `scheduled` is when the load model wanted the request sent (open loop: its Poisson arrival
@@ -45,5 +46,31 @@ class RequestRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> RequestRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class TaskRecord:
+    """One agent task. The session fills what it did; the runner stamps `session`, `start` (the
+    session's scheduled start) and `end` (once the session's `end()` returned, verification
+    included). Its requests are the `RequestRecord`s with the same `session`."""
+
+    task: str
+    session: str | None = None
+    start: float | None = None
+    end: float | None = None
+    stop: str | None = None  # answer, patch, max_turns, budget, deadline or error
+    tool_calls: int = 0
+    tool_s: float = 0.0  # tools run (or simulated delays)
+    verification_s: float = 0.0  # the final check
+    accepted: bool | None = None  # the check passed; None: not verified (simulated tools)
+    check_output: str = ""  # the end of the final check's output
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TaskRecord:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})

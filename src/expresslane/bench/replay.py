@@ -8,7 +8,7 @@ Format (one request per line; blank lines and lines starting with `#` are skippe
                                #   the agent's tool time (default 0; ignored on a first turn)
      "messages": [...],        # chat messages this turn ADDS to the conversation, or
      "input": "text" | [...],  #   Responses-style input (a string is one user message)
-     "max_tokens": 128,        # output limit (default: --output-tokens)
+     "max_tokens": 128,        # output limit (default: --output-tokens, else 128)
      "extra": {...}}           # optional extra body fields, e.g. {"temperature": 0}
 
 Each turn is sent with the session's whole conversation so far: the earlier turns' messages
@@ -91,7 +91,7 @@ class ReplayWorkload:
 
     def __init__(self, path: str, options: WorkloadOptions):
         self.path = path
-        self.loaded = load_sessions(path, options.output_tokens)
+        self.loaded = load_sessions(path, options.max_tokens(128))
 
     def sessions(self) -> Iterator[Session]:
         for n in count(1):

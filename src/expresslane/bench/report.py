@@ -16,10 +16,21 @@
                            "ttft", "tpot", "itl", "e2e", "queue", "per_request_tokens_per_s":
                                {"count", "mean", "min", "p50", "p90", "p99", "max"},
                            "tiers": {TIER: {"requests", "ttft", "e2e",
-                                            "per_request_tokens_per_s"}}},
-               "records": [RequestRecord.to_dict(), ...]}]}
+                                            "per_request_tokens_per_s"}},
+                           "agent" (agent workload only): {"tasks", "verified", "accepted",
+                               "acceptance_rate", "tasks_per_hour", "stops": {STOP: n},
+                               "task_s", "queue_prompt_s", "generation_s", "tool_s",
+                               "verification_s", "client_overhead_s", "turns", "tool_calls",
+                               "input_tokens", "cached_tokens", "output_tokens":
+                                   {"mean", "p50", "total"}}},
+               "records": [RequestRecord.to_dict(), ...],
+               "tasks" (agent workload only): [TaskRecord.to_dict() + {"task_s",
+                   "queue_prompt_s", "generation_s", "tool_s", "verification_s",
+                   "client_overhead_s", "turns", "input_tokens", "cached_tokens",
+                   "output_tokens"}, ...]}]}
 
-Metric definitions: `metrics.DEFINITIONS` (also at the end of report.md).
+Metric definitions: `metrics.DEFINITIONS` and `agent_metrics.AGENT_DEFINITIONS` (also at the end
+of report.md).
 """
 
 from __future__ import annotations
@@ -28,6 +39,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from expresslane.bench.agent_metrics import (
+    AGENT_DEFINITIONS,
+    COMPONENTS,
+    TITLES,
+    summarize_agent,
+    task_entries,
+)
 from expresslane.bench.headline import HEADLINES, fmt
 from expresslane.bench.metrics import DEFINITIONS, summarize
 from expresslane.bench.runner import RunResult
@@ -54,6 +72,9 @@ def run_entry(result: RunResult, slo: dict[str, float] | None) -> dict[str, Any]
     entry["started_at"] = result.started_at
     entry["summary"] = summarize(result.records, result.duration_s, slo)
     entry["records"] = [r.to_dict() for r in result.records]
+    if result.tasks:
+        entry["tasks"] = task_entries(result.tasks, result.records)
+        entry["summary"]["agent"] = summarize_agent(entry["tasks"], result.duration_s)
     return entry
 
 
@@ -144,8 +165,36 @@ def markdown(data: dict[str, Any]) -> str:
             )
         if s["error_messages"]:
             lines += ["", "Errors:"] + [f"- {n}× {msg}" for msg, n in s["error_messages"].items()]
+        if s.get("agent"):
+            lines += agent_section(s["agent"])
     lines += ["", "## Metric definitions", "", DEFINITIONS]
+    if any(run["summary"].get("agent") for run in data["runs"]):
+        lines += [AGENT_DEFINITIONS]
     return "\n".join(lines)
+
+
+def agent_section(a: dict[str, Any]) -> list[str]:
+    """Where the run's agent tasks spent their time."""
+    rate = a["acceptance_rate"]
+    stops = ", ".join(f"{stop} {n}" for stop, n in sorted(a["stops"].items()))
+    lines = [
+        "",
+        f"Agent tasks: {a['tasks']} ({stops}); accepted {a['accepted']} of {a['verified']} "
+        f"verified ({fmt(None if rate is None else 100 * rate, 1)}%); "
+        f"{fmt(a['tasks_per_hour'], 1)} tasks/h; median {fmt(a['turns']['p50'], 1)} turns, "
+        f"{fmt(a['tool_calls']['p50'], 1)} tool calls, {fmt(a['input_tokens']['p50'], 0)} input "
+        f"tokens ({fmt(a['cached_tokens']['p50'], 0)} cached) per task.",
+        "",
+    ]
+    total = a["task_s"]["total"]
+    rows = []
+    for key in ("task_s", *COMPONENTS):
+        st = a[key]
+        share = 100 * st["total"] / total if total else None
+        title = TITLES.get(key, "whole task")
+        cells = [fmt(st["mean"], 3), fmt(st["p50"], 3), fmt(st["total"], 3), fmt(share, 1)]
+        rows.append([title] + cells)
+    return lines + _table(["per task (s)", "mean", "p50", "total", "% of time"], rows)
 
 
 def _ms(x: float | None) -> float | None:

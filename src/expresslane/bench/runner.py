@@ -7,16 +7,21 @@
   every latency (no coordinated omission).
 
 In a session, each turn is sent with the conversation so far (earlier turns plus the
-assistant's replies) and is scheduled `delay_s` after the previous turn ends; a failed turn
-ends its session (its remaining turns are not sent, so the run has fewer requests). A run
-stops starting requests after `requests` requests or `duration` seconds, then waits for those
-in flight. Warmup requests run once, before the first level, sequentially, and are not
+assistant's replies, tool calls included) and is scheduled `delay_s` after the previous turn
+ends (a session that computes its next turn from the reply, e.g. by running tools, does so
+before that); a failed turn ends its session (its remaining turns are not sent, so the run has
+fewer requests). A run stops starting requests after `requests` requests or `duration`
+seconds, then waits for those in flight. A session of known length reserves all its turns
+when it starts; one of unknown length (agent) reserves each turn as it starts. Sessions that
+report a `TaskRecord` at their end (agent tasks) have it kept in `RunResult.tasks`.
+Warmup requests (first turns only) run once, before the first level, sequentially, and are not
 recorded. All levels share one transport (and its connections).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,11 +31,11 @@ from datetime import datetime, timezone
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from expresslane.bench.records import RequestRecord
+from expresslane.bench.records import RequestRecord, TaskRecord
 from expresslane.bench.schedule import poisson_arrivals
 from expresslane.bench.target import Target
 from expresslane.bench.transport import Clock, Transport, make_transport
-from expresslane.bench.workloads import Session, Workload
+from expresslane.bench.workloads import Reply, SessionLike, Workload
 
 
 @dataclass
@@ -51,6 +56,7 @@ class RunResult:
     started_at: str  # ISO 8601, UTC
     duration_s: float  # run start to the last request's end
     records: list[RequestRecord] = field(default_factory=list)
+    tasks: list[TaskRecord] = field(default_factory=list)  # task-shaped sessions (agent)
 
 
 class Budget:
@@ -80,22 +86,34 @@ async def _sleep_until(t: float, clock: Clock) -> None:
 
 async def play_session(
     transport: Transport,
-    session: Session,
-    turns: int,
+    session: SessionLike,
+    granted: int,
     scheduled: float,
     clock: Clock,
     budget: Budget,
     on_done: Callable[[RequestRecord], None],
+    on_task: Callable[[TaskRecord], None] | None = None,
 ) -> None:
-    """Run the first `turns` turns of a session in order; the first is scheduled at
-    `scheduled`, each later one `delay_s` after the previous ends."""
+    """Play a session: the first turn is scheduled at `scheduled`, each later one `delay_s`
+    after the previous one ends. `granted` turns were reserved; a session of unknown length
+    reserves each later turn as it starts."""
+    start = scheduled
     history: list[dict] = []
+    reply: Reply | None = None
+    reason = "done"
     async with transport.session() as send:
-        for i, turn in enumerate(session.turns[:turns]):
+        for i in itertools.count():
+            turn = await session.next_turn(reply)
+            if turn is None:
+                break
+            if i >= granted and (session.planned_turns is not None or not budget.reserve(1)):
+                reason = "budget"
+                break
             if i > 0:
                 scheduled = clock() + turn.delay_s
                 if budget.deadline is not None and scheduled >= budget.deadline:
-                    return
+                    reason = "deadline"
+                    break
                 await _sleep_until(scheduled, clock)
             rec = RequestRecord(
                 scheduled=scheduled,
@@ -103,53 +121,67 @@ async def play_session(
                 turn=i if session.id is not None else None,
             )
             history.extend(turn.messages)
-            text = await send(list(history), turn, rec, clock)
+            reply = await send(list(history), turn, rec, clock)
             on_done(rec)
             if not rec.ok:
-                return
-            history.append({"role": "assistant", "content": text})
+                reason = "error"
+                break
+            history.append(reply.message())
+    task = await session.end(reason)
+    if task is not None and on_task is not None:
+        task.session, task.start, task.end = session.id, start, clock()
+        on_task(task)
+
+
+def _reserve_first(session: SessionLike | None, budget: Budget) -> int:
+    """The turns a new session may start with (0: the run is full or out of sessions)."""
+    if session is None:
+        return 0
+    planned = session.planned_turns
+    return budget.reserve(1 if planned is None else planned)
 
 
 async def closed_loop(
     transport: Transport,
-    sessions: Iterator[Session],
+    sessions: Iterator[SessionLike],
     concurrency: int,
     budget: Budget,
     clock: Clock,
     on_done: Callable[[RequestRecord], None],
+    on_task: Callable[[TaskRecord], None] | None = None,
 ) -> None:
     async def worker() -> None:
         while budget.open(clock()):
             session = next(sessions, None)
-            turns = budget.reserve(len(session.turns)) if session else 0
-            if turns == 0:
+            turns = _reserve_first(session, budget)
+            if session is None or turns == 0:
                 return
-            await play_session(transport, session, turns, clock(), clock, budget, on_done)
+            await play_session(transport, session, turns, clock(), clock, budget, on_done, on_task)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 async def open_loop(
     transport: Transport,
-    sessions: Iterator[Session],
+    sessions: Iterator[SessionLike],
     rate: float,
     seed: int,
     budget: Budget,
     clock: Clock,
     on_done: Callable[[RequestRecord], None],
+    on_task: Callable[[TaskRecord], None] | None = None,
 ) -> None:
     tasks: list[asyncio.Task] = []
     for t in poisson_arrivals(rate, seed):
         if not budget.open(t):
             break
         session = next(sessions, None)
-        turns = budget.reserve(len(session.turns)) if session else 0
-        if turns == 0:
+        turns = _reserve_first(session, budget)
+        if session is None or turns == 0:
             break
         await _sleep_until(t, clock)
-        tasks.append(
-            asyncio.create_task(play_session(transport, session, turns, t, clock, budget, on_done))
-        )
+        play = play_session(transport, session, turns, t, clock, budget, on_done, on_task)
+        tasks.append(asyncio.create_task(play))
     await asyncio.gather(*tasks)
 
 
@@ -159,9 +191,12 @@ async def warmup(transport: Transport, workload: Workload, n: int) -> None:
     clock = lambda: time.perf_counter() - start
     sessions = workload.sessions()
     for _ in range(n):
-        session = next(sessions)
+        session = next(sessions, None)
+        turn = None if session is None else await session.next_turn(None)
+        if turn is None:
+            return
         async with transport.session() as send:
-            await send(list(session.turns[0].messages), session.turns[0], RequestRecord(0.0), clock)
+            await send(list(turn.messages), turn, RequestRecord(0.0), clock)
 
 
 def _progress(show: bool) -> Progress:
@@ -192,19 +227,24 @@ async def run_level(
         records.append(rec)
         progress.advance(task)
 
+    tasks: list[TaskRecord] = []
+
     budget = Budget(requests, duration_s)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start
     sessions = workload.sessions()
     if level.concurrency is not None:
-        await closed_loop(transport, sessions, level.concurrency, budget, clock, on_done)
+        await closed_loop(
+            transport, sessions, level.concurrency, budget, clock, on_done, tasks.append
+        )
     else:
         assert level.rate is not None
-        await open_loop(transport, sessions, level.rate, seed, budget, clock, on_done)
+        await open_loop(transport, sessions, level.rate, seed, budget, clock, on_done, tasks.append)
     progress.remove_task(task)
     records.sort(key=lambda r: r.scheduled)
-    return RunResult(level, started_at, clock(), records)
+    tasks.sort(key=lambda t: t.start or 0.0)
+    return RunResult(level, started_at, clock(), records, tasks)
 
 
 async def run_benchmark(

@@ -2,9 +2,10 @@
 
 Words come from a fixed vocabulary of common English and code words, so prompt lengths mean
 roughly the same number of tokens with any tokenizer. Every request asks for `output_tokens`
-tokens with `ignore_eos` (unless turned off) so output lengths are fixed. With `prefix_tokens`,
-every prompt starts with the same shared prefix (to exercise prefix caching). Prompts never
-repeat within one benchmark invocation: the random state carries over from run to run.
+(default 128) tokens with `ignore_eos` (unless turned off) so output lengths are fixed. With
+`prefix_tokens`, every prompt starts with the same shared prefix (to exercise prefix caching).
+Prompts never repeat within one benchmark invocation: the random state carries over from run
+to run.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SyntheticWorkload:
         while True:
             turn = Turn(
                 messages=[{"role": "user", "content": self.prompt()}],
-                max_tokens=self.options.output_tokens,
+                max_tokens=self.options.max_tokens(128),
                 extra=dict(extra),
             )
             yield Session(id=None, turns=[turn])

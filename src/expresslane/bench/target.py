@@ -3,6 +3,10 @@
 `base_url` may be given with or without the trailing `/v1` (`http://host:8000` and
 `http://host:8000/v1` are the same target). Bodies carry `service_tier` only when one is given,
 so endpoints that don't know the field still work.
+
+Conversations are kept Chat-shaped; for the Responses API, an assistant message with
+`tool_calls` becomes its text plus `function_call` items and a `role: tool` message becomes a
+`function_call_output` item (other items pass through unchanged).
 """
 
 from __future__ import annotations
@@ -51,11 +55,40 @@ class Target:
             body["messages"] = messages
             body["max_tokens"] = turn.max_tokens
             body["stream_options"] = {"include_usage": True}
+            if turn.tools:
+                body["tools"] = [{"type": "function", "function": t} for t in turn.tools]
         else:
-            body["input"] = messages
+            body["input"] = responses_input(messages)
             body["max_output_tokens"] = turn.max_tokens
+            if turn.tools:
+                body["tools"] = [{"type": "function", **t} for t in turn.tools]
         if self.tier:
             body["service_tier"] = self.tier
         body.update(self.extra_body)
         body.update(turn.extra)
         return body
+
+
+def responses_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat-shaped tool calls and tool results as Responses input items."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            if m.get("content"):
+                items.append({"role": "assistant", "content": m["content"]})
+            for c in m["tool_calls"]:
+                fn = c["function"]
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": c["id"],
+                        "name": fn["name"],
+                        "arguments": fn["arguments"],
+                    }
+                )
+        elif m.get("role") == "tool":
+            call_id, output = m["tool_call_id"], m["content"]
+            items.append({"type": "function_call_output", "call_id": call_id, "output": output})
+        else:
+            items.append(m)
+    return items

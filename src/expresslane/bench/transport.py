@@ -10,10 +10,10 @@ from typing import Any, Protocol
 
 from expresslane.bench.records import RequestRecord
 from expresslane.bench.target import Target
-from expresslane.bench.workloads import Turn
+from expresslane.bench.workloads import Reply, Turn
 
 Clock = Callable[[], float]  # seconds since the run started
-Sender = Callable[[list[dict[str, Any]], Turn, RequestRecord, Clock], Awaitable[str]]
+Sender = Callable[[list[dict[str, Any]], Turn, RequestRecord, Clock], Awaitable[Reply]]
 
 
 class Transport(Protocol):

@@ -1,8 +1,11 @@
-"""Workloads: what to send. A workload yields `Session`s, each a list of `Turn`s run in order.
+"""Workloads: what to send. A workload yields sessions; the runner asks each for its next
+`Turn`, handing it the previous `Reply`, until it says None.
 
-A single request is a session of one turn. Workloads are looked up by name in `WORKLOADS`
-(`--workload NAME` or `--workload NAME:ARG`); to add one, write a factory taking
-`(arg, options)` and register it with `register("name")`.
+`Session` has fixed turns (a single request is a session of one turn); a session whose next
+turn depends on the reply (the agent workload) implements `SessionLike` itself. Messages are
+Chat-shaped (`target.py` turns them into Responses input items). Workloads are looked up by
+name in `WORKLOADS` (`--workload NAME` or `--workload NAME:ARG`); to add one, write a factory
+taking `(arg, options)` and register it with `register("name")`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from expresslane.bench.records import TaskRecord
 
 
 @dataclass
@@ -20,12 +25,75 @@ class Turn:
     max_tokens: int
     delay_s: float = 0.0  # wait after the previous turn of the session ends (e.g. tool time)
     extra: dict[str, Any] = field(default_factory=dict)  # extra body fields (ignore_eos, ...)
+    tools: list[dict[str, Any]] | None = None  # function specs: {"name", "description", ...}
+
+
+@dataclass
+class ToolCall:
+    id: str  # Chat: the tool call's id; Responses: its call_id
+    name: str
+    arguments: str  # JSON text, as streamed
+
+
+@dataclass
+class Reply:
+    """What the client received for one turn: the visible text and any tool calls."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message that continues the conversation (Chat-shaped)."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.tool_calls
+        ]
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+
+
+class SessionLike(Protocol):
+    id: str | None
+
+    @property
+    def planned_turns(self) -> int | None:
+        """The number of turns if known up front (the runner reserves them at once), else
+        None (the runner reserves each turn as it starts)."""
+        ...
+
+    async def next_turn(self, reply: Reply | None) -> Turn | None:
+        """The next request given the previous one's reply (None before the first); None
+        ends the session."""
+        ...
+
+    async def end(self, reason: str) -> TaskRecord | None:
+        """Called once when the session is over: reason is "done" (next_turn said None),
+        "budget" or "deadline" (the run stopped it) or "error" (a request failed). May return
+        a task record (the runner stamps its start, end and session)."""
+        ...
 
 
 @dataclass
 class Session:
+    """A session with fixed turns, sent in order whatever the replies."""
+
     id: str | None
     turns: list[Turn]
+    _next: int = field(default=0, init=False, repr=False, compare=False)
+
+    @property
+    def planned_turns(self) -> int | None:
+        return len(self.turns)
+
+    async def next_turn(self, reply: Reply | None) -> Turn | None:
+        if self._next >= len(self.turns):
+            return None
+        self._next += 1
+        return self.turns[self._next - 1]
+
+    async def end(self, reason: str) -> TaskRecord | None:
+        return None
 
 
 @dataclass
@@ -34,15 +102,20 @@ class WorkloadOptions:
 
     seed: int = 0
     input_tokens: int = 256
-    output_tokens: int = 128
+    output_tokens: int | None = None  # None: the workload's default
     prefix_tokens: int = 0
     ignore_eos: bool = True
+    agent_max_turns: int = 6
+    tool_time: str | None = None  # agent: simulate tools with this delay distribution
+
+    def max_tokens(self, default: int) -> int:
+        return self.output_tokens if self.output_tokens is not None else default
 
 
 class Workload(Protocol):
     name: str
 
-    def sessions(self) -> Iterator[Session]:
+    def sessions(self) -> Iterator[SessionLike]:
         """Sessions for one run, possibly without end (the runner stops at its budget)."""
         ...
 
@@ -64,9 +137,9 @@ def register(name: str) -> Callable[[WorkloadFactory], WorkloadFactory]:
 
 
 def make_workload(spec: str, options: WorkloadOptions) -> Workload:
-    """'synthetic' or 'replay:FILE' -> a workload."""
+    """'synthetic', 'replay:FILE' or 'agent[:N]' -> a workload."""
     # Importing the modules registers the built-in workloads.
-    from expresslane.bench import replay, synthetic  # noqa: F401
+    from expresslane.bench import agent, replay, synthetic  # noqa: F401
 
     name, _, arg = spec.partition(":")
     if name not in WORKLOADS:

@@ -26,7 +26,7 @@ from expresslane.bench.records import RequestRecord
 from expresslane.bench.retry import retry_wait, should_retry
 from expresslane.bench.target import Target
 from expresslane.bench.transport import Clock, Sender
-from expresslane.bench.workloads import Turn
+from expresslane.bench.workloads import Reply, Turn
 
 TRANSPORT_FIELDS = ("stream", "stream_options", "background")
 
@@ -38,7 +38,7 @@ class WsSession:
         self.transport = transport
         self.conn: ClientConnection | None = None
 
-    async def _turn(self, message: str, rec: RequestRecord, clock: Clock) -> str:
+    async def _turn(self, message: str, rec: RequestRecord, clock: Clock) -> Reply:
         target = self.transport.target
         reader = StreamReader(rec, "responses")
         if self.conn is None:
@@ -51,21 +51,21 @@ class WsSession:
                 rec.headers = now
                 rec.status = 200
             reader.feed(json.loads(raw), now)
-        return reader.text
+        return reader.reply
 
     async def send(
         self, messages: list[dict[str, Any]], turn: Turn, rec: RequestRecord, clock: Clock
-    ) -> str:
+    ) -> Reply:
         target = self.transport.target
         body = target.body(messages, turn)
         for name in TRANSPORT_FIELDS:
             body.pop(name, None)
         message = json.dumps({"type": "response.create", **body})
         rec.sent = clock()
-        text = ""
+        reply = Reply()
         while True:
             try:
-                text = await self._turn(message, rec, clock)
+                reply = await self._turn(message, rec, clock)
             except InvalidStatus as e:
                 rec.status = e.response.status_code
                 rec.error = f"WebSocket handshake: HTTP {rec.status}"
@@ -75,7 +75,7 @@ class WsSession:
             rec.end = clock()
             retry = rec.error is not None and should_retry(rec.status)
             if not retry or rec.retries >= target.max_retries:
-                return text
+                return reply
             await asyncio.sleep(retry_wait(rec.retries + 1))
             rec.retries += 1
             rec.reset_attempt()
