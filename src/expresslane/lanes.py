@@ -30,7 +30,7 @@ class Lane:
     enabled: bool = True
 
 
-AUTO_TARGET_FRACTION = 0.7
+AUTO_TARGET_FRACTION = 1 / 3
 
 DEFAULT_LANES = {
     "ultrafast": Lane(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -58,6 +59,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()
         self._stop = False
+        self.ready = threading.Event()  # set once calibrated and stepping
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 
@@ -160,6 +162,10 @@ class AsyncEngine:
                 eng.calibrate()
             except Exception:  # serving uncalibrated beats not serving: the model fits online
                 log.exception("step-latency calibration failed")
+        # What exists now (model, tokenizer, caches) lives as long as the engine: keep it out
+        # of the garbage collector's scans, whose pauses would show up as step-time spikes.
+        gc.freeze()
+        self.ready.set()
         while not self._stop:
             self._deliver(self._drain_inbox())
             if not eng.has_unfinished():

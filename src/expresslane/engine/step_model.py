@@ -12,7 +12,6 @@ it to cap the lower lanes so that an ultrafast request keeps its tokens/s target
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 
 import numpy as np
@@ -25,18 +24,17 @@ def features(num_seqs: int, num_tokens: int, context_tokens: int) -> tuple[float
 
 
 def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (exhaustive over the 16 active sets)."""
-    best, best_err = np.zeros(x.shape[1]), np.inf
-    for k in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), k):
-            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if (coef < 0).any():
-                continue
-            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
-            if err < best_err:
-                best, best_err = np.zeros(x.shape[1]), err
-                best[list(cols)] = coef
-    return best
+    """Least squares with every coefficient >= 0: refit without the most negative one until
+    none is (at most one solve per feature; cheap enough to run between two steps)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return coef
 
 
 class _Fit:
@@ -58,7 +56,7 @@ class StepLatencyModel:
     """Two fits: steps of at most `small_tokens` tokens run other kernels (the small-batch
     linear, the fused decode step) than larger ones, so each regime has its own line."""
 
-    def __init__(self, window: int = 512, refit_every: int = 64, small_tokens: int = 8):
+    def __init__(self, window: int = 256, refit_every: int = 64, small_tokens: int = 8):
         self.small_tokens = small_tokens
         self.fits = {"small": _Fit(window), "large": _Fit(window)}
         self.refit_every = refit_every
