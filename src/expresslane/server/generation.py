@@ -8,6 +8,7 @@ Engine parameter names are mapped back to the endpoint's field names in error me
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,8 @@ from expresslane.sampling_params import SamplingParams
 from expresslane.server.accounts import Ticket
 from expresslane.server.errors import APIError, from_engine_error
 from expresslane.server.state import ServerState
+
+log = logging.getLogger("expresslane.server")
 
 
 def make_params(names: dict[str, str], **kwargs) -> SamplingParams:
@@ -84,6 +87,12 @@ class Generation:
             self._meter("abort", time.perf_counter())
 
     def _meter(self, status: str, now: float) -> None:
+        try:
+            self._write_ledger(status, now)
+        except Exception:  # metering must never break the answer the client is getting
+            log.exception("could not write the ledger row of %s", self.request_id)
+
+    def _write_ledger(self, status: str, now: float) -> None:
         out, req = self.last, self.request
         first = self.first_token
         queue = out.metrics.queue_time if out is not None else None
