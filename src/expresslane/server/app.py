@@ -173,7 +173,10 @@ def serve(args, engine_options: dict) -> int:
         print(f"expresslane serve: cannot load the model: {e}", file=sys.stderr)
         return 2
     # Calibrate the step-latency model on a quiet machine, before the server starts.
-    engine.ready.wait()
+    while not engine.ready.wait(1.0):
+        if not engine.is_alive():
+            print("expresslane serve: the engine stopped while starting", file=sys.stderr)
+            return 2
     # The engine thread holds the GIL between tensor ops; by default a waiting thread gets it
     # only after 5 ms, which would delay every streamed token by up to that much.
     sys.setswitchinterval(0.0005)
