@@ -11,7 +11,7 @@ from expresslane.lanes import LANE_NAMES
 
 
 def _db(args) -> str:
-    from expresslane.server.keys import default_accounts_path
+    from expresslane.server.settings import default_accounts_path
 
     return args.db or default_accounts_path()
 

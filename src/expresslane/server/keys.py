@@ -19,7 +19,6 @@ import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from expresslane.lanes import LANE_NAMES
 
@@ -37,15 +36,6 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked_at REAL
 );
 """
-
-
-def default_accounts_path() -> str:
-    """`$EXPRESSLANE_ACCOUNTS`, else `$XDG_DATA_HOME/expresslane/accounts.sqlite`."""
-    env = os.environ.get("EXPRESSLANE_ACCOUNTS")
-    if env:
-        return env
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
-    return os.path.join(base, "expresslane", "accounts.sqlite")
 
 
 @dataclass

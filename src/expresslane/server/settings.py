@@ -18,13 +18,22 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-def default_store_path() -> str:
-    """`$EXPRESSLANE_STORE`, else `$XDG_DATA_HOME/expresslane/responses.sqlite`."""
-    env = os.environ.get("EXPRESSLANE_STORE")
+def data_file(env_var: str, name: str) -> str:
+    """`$env_var`, else `$XDG_DATA_HOME/expresslane/name` (default ~/.local/share/...)."""
+    env = os.environ.get(env_var)
     if env:
         return env
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
-    return os.path.join(base, "expresslane", "responses.sqlite")
+    return os.path.join(base, "expresslane", name)
+
+
+def default_store_path() -> str:
+    return data_file("EXPRESSLANE_STORE", "responses.sqlite")
+
+
+def default_accounts_path() -> str:
+    """API keys and the usage ledger."""
+    return data_file("EXPRESSLANE_ACCOUNTS", "accounts.sqlite")
 
 
 @dataclass
@@ -47,8 +56,6 @@ class ServerSettings:
         return self.store_path or default_store_path()
 
     def resolved_accounts_path(self) -> str:
-        from expresslane.server.keys import default_accounts_path
-
         return self.accounts_path or default_accounts_path()
 
     @classmethod
