@@ -36,14 +36,12 @@ STEP_HEADROOM = 0.4
 class ScheduledBatch:
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0  # new tokens this step, summed over sequences
     context_tokens: int = 0  # KV positions attended this step, summed over sequences
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
 
     def add(self, req: Request, n: int) -> None:
         self.items.append((req, n))
+        self.num_tokens += n
         self.context_tokens += req.num_computed_tokens + n
 
 
