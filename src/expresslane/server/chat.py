@@ -69,15 +69,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = [
         make_params(
             names,
+            body,
             max_tokens=body.max_completion_tokens or body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
             seed=None if body.seed is None else body.seed + i,
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             skip_special_tokens=skip,
         )

@@ -113,15 +113,9 @@ async def completions(body: CompletionRequest, request: Request):
             params.append(
                 make_params(
                     NAMES,
+                    body,
                     max_tokens=body.max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    top_k=body.top_k,
                     seed=None if body.seed is None else body.seed + j,
-                    stop=body.stop,
-                    stop_token_ids=body.stop_token_ids,
-                    min_tokens=body.min_tokens,
-                    ignore_eos=body.ignore_eos,
                     logprobs=body.logprobs,
                     skip_special_tokens=body.skip_special_tokens,
                 )

@@ -23,8 +23,23 @@ from expresslane.server.state import ServerState
 log = logging.getLogger("expresslane.server")
 
 
-def make_params(names: dict[str, str], **kwargs) -> SamplingParams:
-    """SamplingParams from the non-None keyword arguments; errors name the API's fields."""
+# Sampling fields every endpoint's request body names the same way as SamplingParams.
+SHARED_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+)
+
+
+def make_params(names: dict[str, str], body=None, **kwargs) -> SamplingParams:
+    """SamplingParams from the body's shared sampling fields plus the non-None keyword
+    arguments; errors name the API's fields."""
+    if body is not None:
+        kwargs = {**{f: getattr(body, f) for f in SHARED_SAMPLING_FIELDS}, **kwargs}
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ExpresslaneError as e:

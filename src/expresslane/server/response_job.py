@@ -234,15 +234,9 @@ def prepare_response(
         skip_special = False
     params = make_params(
         NAMES,
+        req,
         max_tokens=req.max_output_tokens if generate else 1,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
         seed=req.seed,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos,
         logprobs=(req.top_logprobs or 0) if with_logprobs else None,
         skip_special_tokens=skip_special,
     )
