@@ -50,24 +50,23 @@ class Accounts:
     # -- per request -------------------------------------------------------------------------
 
     def authenticate(self, authorization: str | None) -> ApiKey:
+        scheme, _, secret = (authorization or "").partition(" ")
+        secret = secret.strip() if scheme.lower() == "bearer" else ""
+        key = self.keys.lookup(secret) if secret else None
+        if key is not None:  # the common case costs one query
+            return key
         if not self.keys.has_keys():
             return OPEN_ACCESS
-        scheme, _, secret = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
+        if not secret:
             raise APIError(
                 401,
                 "Missing API key: send it as 'Authorization: Bearer <key>' (the openai SDK "
                 "does this with api_key=...).",
                 code="invalid_api_key",
             )
-        key = self.keys.lookup(secret.strip())
-        if key is None:
-            raise APIError(
-                401,
-                f"Incorrect or revoked API key provided: {secret.strip()[:6]}…",
-                code="invalid_api_key",
-            )
-        return key
+        raise APIError(
+            401, f"Incorrect or revoked API key provided: {secret[:6]}…", code="invalid_api_key"
+        )
 
     def admit(self, key: ApiKey, service_tier: str | None, lane_load) -> Ticket:
         """Decide the serving tier; raises 403/429 APIErrors. `lane_load(tier)` counts the
