@@ -6,16 +6,16 @@ import pytest
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import InvalidRequestError
-from expresslane.spec import NgramProposer, make_proposer, proposal_length
+from expresslane.spec import NgramProposer, Proposal, make_proposer, proposal_length
 
 from .conftest import random_prompts
 
 
 def test_ngram_proposer_finds_the_latest_continuation():
     p = NgramProposer(min_n=1, max_n=3)
-    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
-    assert p.propose([5, 6, 7], 3) == []
-    assert p.propose([4, 4, 4], 5) == [4]
+    assert p.lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
+    assert p.lookup([5, 6, 7], 3) == []
+    assert p.lookup([4, 4, 4], 5) == [4]
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -70,10 +70,15 @@ class _Scripted:
         self.right = right
         self.asked: list[int] = []
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, requests, lengths):
+        (req,), (k,) = requests, lengths
         self.asked.append(k)
-        guess = self.full[len(token_ids) : len(token_ids) + k]
-        return guess if self.right else [(t + 1) % 512 for t in guess]
+        n = req.num_tokens
+        guess = self.full[n : n + k]
+        return [Proposal(guess if self.right else [(t + 1) % 512 for t in guess])]
+
+    def release(self, request_id):
+        pass
 
 
 @pytest.mark.parametrize("right", [True, False])

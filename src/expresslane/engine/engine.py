@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from expresslane.config import EngineConfig
+from expresslane.demo import DRAFT_DIR, demo_model_dir
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput, TextState
 from expresslane.engine.request import Request
@@ -23,6 +24,7 @@ from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
 from expresslane.spec import make_proposer, proposal_length
+from expresslane.spec.draft import DraftModelProposer
 from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
 
@@ -82,14 +84,34 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.proposers = {}  # lane rank -> SpecConfig
+        self._drafts: dict[Path, DraftModelProposer] = {}  # lanes share a draft model
         for lane in self.lanes.values():
             spec = lane.speculative if lane.speculative is not None else config.speculative
             if spec:
-                self.proposers[lane.rank] = make_proposer(spec, self.device.type)
+                self.proposers[lane.rank] = make_proposer(spec, self.device.type, self._load_draft)
         self.spec_stats = SpecStats()  # all lanes
         self.lane_spec_stats = {name: SpecStats() for name in self.lanes}
         self._targets_resolved = False
         self._calibrating = False  # steps are timed into the calibration set
+
+    def _load_draft(self, model: str | None) -> DraftModelProposer:
+        path = Path(model) if model else demo_model_dir(DRAFT_DIR)
+        if path not in self._drafts:
+            dtype, linear_dtype = self.config.dtypes(
+                ModelConfig.from_dir(path).torch_dtype, self.device
+            )
+            self._drafts[path] = DraftModelProposer(
+                path,
+                dtype=dtype,
+                linear_dtype=linear_dtype,
+                device=self.device,
+                max_model_len=self.max_model_len,
+                num_blocks=self.kv.num_blocks,
+                block_size=self.kv.block_size,
+                target_vocab_size=self.model_config.vocab_size,
+                seed=self.config.seed,
+            )
+        return self._drafts[path]
 
     # -- requests -----------------------------------------------------------------------
 
@@ -167,9 +189,15 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.remove(req)
+        self._remove(req)
         self.outputs.finish(req, "abort")
         return self.outputs.make_output(req, 0)
+
+    def _remove(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        spec = self.proposers.get(req.priority)
+        if spec is not None:
+            spec.proposer.release(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,7 +230,7 @@ class LLMEngine:
         for req, _ in batch.items:
             self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
             if req.is_finished:
-                self.scheduler.remove(req)
+                self._remove(req)
                 self.requests.pop(req.request_id, None)
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, start)
         return outputs
@@ -240,9 +268,11 @@ class LLMEngine:
         return appended
 
     def _propose(self) -> None:
-        """Guess the next tokens of greedy requests that are decoding. Lanes without a speed
-        target stop guessing while the running batch is past where verification pays."""
+        """Guess the next tokens of requests that are decoding, one proposer call per lane.
+        Lanes without a speed target stop guessing while the running batch is past where
+        verification pays."""
         running = self.scheduler.running
+        wanted: dict[int, tuple[list[Request], list[int]]] = {}
         for req in running:
             spec = self.proposers.get(req.priority)
             if spec is None:
@@ -253,16 +283,22 @@ class LLMEngine:
                 and self.lanes[req.lane].target_tokens_per_s is None
             ):
                 continue
-            p = req.params
             decoding = req.num_computed_tokens == req.num_tokens - 1
-            if not decoding or not p.greedy or req.num_output_tokens < p.min_tokens:
+            if not decoding or req.num_output_tokens < req.params.min_tokens:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
             k = spec.num_tokens
             if spec.adaptive:
                 k = proposal_length(req.spec_acceptance, k)
             if room > 1:
-                req.draft_ids = spec.proposer.propose(req.token_ids, min(k, room - 1))
+                reqs, lengths = wanted.setdefault(req.priority, ([], []))
+                reqs.append(req)
+                lengths.append(min(k, room - 1))
+        for rank, (reqs, lengths) in wanted.items():
+            proposals = self.proposers[rank].proposer.propose(reqs, lengths)
+            for req, k, proposal in zip(reqs, lengths, proposals, strict=True):
+                req.draft_ids = proposal.token_ids[:k]
+                req.draft_probs = proposal.probs
 
     # -- step-latency model ---------------------------------------------------------------
 
@@ -313,7 +349,7 @@ class LLMEngine:
         """Finish every request with an error (used when a step raised)."""
         outs = []
         for req in list(self.requests.values()):
-            self.scheduler.remove(req)
+            self._remove(req)
             self.outputs.finish(req, "error")
             outs.append(self.outputs.make_output(req, 0, error=message))
         self.requests.clear()

@@ -76,6 +76,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
+        self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
         self.spec_acceptance = 0.75  # running acceptance rate of its guesses
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None

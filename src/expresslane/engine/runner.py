@@ -125,4 +125,5 @@ class ModelRunner:
         if not samples:
             return samples, None
         row_reqs = [req for req, n in samples for _ in range(n)]
-        return samples, self.sampler(logits, row_reqs)
+        offsets = [j for _, n in samples for j in range(n)]
+        return samples, self.sampler(logits, row_reqs, offsets)

@@ -3,6 +3,9 @@
 Sampling uses the exponential race, argmax(p / E) with E ~ Exp(1), which draws exactly from p
 without a cumulative sum or a host round trip. A request with a seed owns a generator, so its
 draws do not depend on what else is in the batch.
+
+Rows that score a speculative guess are verified by rejection sampling (see `_verify`), so
+speculation never changes the distribution a sampled request draws from.
 """
 
 from __future__ import annotations
@@ -56,15 +59,19 @@ class Sampler:
             req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
         return req.generator
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-        """logits: float32 [B, V], one row per request."""
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None
+    ) -> SampleResult:
+        """logits: float32 [B, V], one row per request, or with `offsets` several: row i is
+        position offsets[i] of its request's verification window, where it scores the guess
+        draft_ids[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
         logits = self._mask_early_stops(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, reqs, greedy)
+            tokens = self._sample(logits, reqs, greedy, offsets)
         token_list = tokens.tolist()
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
@@ -84,26 +91,72 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
-    def _sample(
-        self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]
-    ) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k / top-p."""
         dev = logits.device
         temps = torch.tensor(
-            [1.0 if g else r.params.temperature for r, g in zip(reqs, greedy)], device=dev
+            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs],
+            device=dev,
         )
         scaled = logits / temps.unsqueeze(1)
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
             top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
             top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.ones_like(probs)
+        return scaled.softmax(dim=-1)
+
+    def draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One token per row from `probs`, with each request's generator."""
+        noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
-            if not greedy[i]:
-                noise[i].exponential_(generator=self.generator_for(r))
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy_mask = torch.tensor(greedy, device=dev)
-        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+            noise[i].exponential_(generator=self.generator_for(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        greedy: list[bool],
+        offsets: list[int] | None,
+    ) -> torch.Tensor:
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        rows = [reqs[i] for i in sampled_rows]
+        probs = self.probs(logits[sampled_rows], rows)
+        tokens = logits.argmax(dim=-1)
+        drawn = self.draw(probs, rows)
+        if offsets is not None:
+            drawn = self._verify(probs, drawn, rows, [offsets[i] for i in sampled_rows])
+        tokens[sampled_rows] = drawn
+        return tokens
+
+    def _verify(
+        self, probs: torch.Tensor, drawn: torch.Tensor, reqs: list[Request], offsets: list[int]
+    ) -> torch.Tensor:
+        """Speculative rejection sampling (Leviathan et al. 2023): a guess d drawn from the
+        proposer's q is kept with probability min(1, p(d)/q(d)); otherwise the row's token is
+        drawn from max(0, p - q), renormalized. Either way the token follows p exactly. A
+        proposer without probabilities (n-gram lookup) has q = one-hot(d)."""
+        for i, (r, j) in enumerate(zip(reqs, offsets, strict=True)):
+            if j >= len(r.draft_ids):
+                continue  # the bonus row: a plain draw
+            d = r.draft_ids[j]
+            q = r.draft_probs[j] if r.draft_probs is not None else None
+            q_d = 1.0 if q is None else float(q[d])
+            gen = self.generator_for(r)
+            u = float(torch.rand((), generator=gen, device=probs.device))
+            if u * q_d < float(probs[i, d]):
+                drawn[i] = d
+                continue
+            if q is None:
+                residual = probs[i].clone()
+                residual[d] = 0.0
+            else:
+                residual = (probs[i] - q).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # p == q: nothing left to correct
+                residual = probs[i]
+            noise = torch.empty_like(residual).exponential_(generator=gen)
+            drawn[i] = (residual / noise).argmax()
+        return drawn
 
     def _logprobs(
         self, logits: torch.Tensor, tokens: list[int], reqs: list[Request]

@@ -1,13 +1,17 @@
 """Speculative decoding: proposers guess the next tokens cheaply; the target model scores all
 guesses in one forward pass and keeps the longest prefix it agrees with (plus one token of its
-own), so the output is exactly what plain decoding would produce."""
+own), so greedy output is exactly what plain decoding would produce; sampled requests verify
+by rejection sampling (engine/sampler.py), so their distribution is unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from expresslane.engine.request import Request
 from expresslane.spec.ngram import NgramProposer
+from expresslane.spec.proposal import Proposal
 
 # Running batch above which speculation stops paying (verification makes every sequence k+1
 # tokens wide): past the small-batch kernels on CPU, past the memory-bound region on a GPU.
@@ -16,8 +20,11 @@ DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 32}
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k guesses for the tokens that follow `token_ids`."""
+    def propose(self, requests: list[Request], lengths: list[int]) -> list[Proposal]:
+        """Up to lengths[i] guesses for the tokens that follow requests[i]'s tokens."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's state."""
 
 
 @dataclass
@@ -28,11 +35,16 @@ class SpecConfig:
     adaptive: bool = True  # each request's guesses follow its acceptance rate
 
 
-def make_proposer(spec: dict, device_type: str = "cpu") -> SpecConfig:
-    """From `LLM(speculative=...)` or a lane's `speculative` setting."""
+def make_proposer(
+    spec: dict,
+    device_type: str = "cpu",
+    load_draft: Callable[[str | None], Proposer] | None = None,
+) -> SpecConfig:
+    """From `LLM(speculative=...)` or a lane's `speculative` setting. `load_draft(model)`
+    builds a draft-model proposer (model None: the bundled draft)."""
     from expresslane.errors import InvalidRequestError
 
-    known = {"method", "num_tokens", "min_n", "max_n", "max_batch", "adaptive"}
+    known = {"method", "model", "num_tokens", "min_n", "max_n", "max_batch", "adaptive"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise InvalidRequestError(
@@ -49,7 +61,9 @@ def make_proposer(spec: dict, device_type: str = "cpu") -> SpecConfig:
     if method == "ngram":
         proposer = NgramProposer(spec.get("min_n", 1), spec.get("max_n", 4))
         return SpecConfig(proposer, k, max_batch, adaptive)
-    raise InvalidRequestError(f"unknown speculative method {method!r}; available: ngram")
+    if method == "draft" and load_draft is not None:
+        return SpecConfig(load_draft(spec.get("model")), k, max_batch, adaptive)
+    raise InvalidRequestError(f"unknown speculative method {method!r}; available: ngram, draft")
 
 
 def proposal_length(acceptance: float, max_tokens: int) -> int:
@@ -60,4 +74,11 @@ def proposal_length(acceptance: float, max_tokens: int) -> int:
     return max(1, min(max_tokens, round(acceptance / (1 - acceptance))))
 
 
-__all__ = ["NgramProposer", "Proposer", "SpecConfig", "make_proposer", "proposal_length"]
+__all__ = [
+    "NgramProposer",
+    "Proposal",
+    "Proposer",
+    "SpecConfig",
+    "make_proposer",
+    "proposal_length",
+]

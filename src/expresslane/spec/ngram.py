@@ -7,13 +7,25 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from expresslane.engine.request import Request
+from expresslane.spec.proposal import Proposal
+
 
 class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, requests: list[Request], lengths: list[int]) -> list[Proposal]:
+        return [
+            Proposal(self.lookup(r.token_ids, k)) for r, k in zip(requests, lengths, strict=True)
+        ]
+
+    def release(self, request_id: str) -> None:
+        pass  # keeps no per-request state
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
         tokens = np.asarray(token_ids)
         L = len(tokens)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):

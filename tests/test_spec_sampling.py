@@ -1,0 +1,134 @@
+"""Speculation with a draft model, and with sampling: greedy outputs stay token-identical, and
+sampled outputs keep the target's distribution (chi-square tests at fixed contexts)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chi2_contingency, chisquare
+
+from expresslane import LLM, SamplingParams
+from expresslane.engine.request import Request
+from expresslane.engine.sampler import Sampler
+
+from .conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def draft_dir(llama_dir, tmp_path_factory):
+    """The target's weights plus noise: a draft that agrees with it part of the time."""
+    out = tmp_path_factory.mktemp("draft") / "llama-draft"
+    shutil.copytree(llama_dir, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    noisy = {
+        k: v + 0.6 * v.float().std() * torch.randn(v.shape, generator=g).to(v.dtype)
+        for k, v in weights.items()
+    }
+    save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _spec(draft_dir, k=4):
+    return {"method": "draft", "model": str(draft_dir), "num_tokens": k, "max_batch": None}
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_greedy_outputs_identical_with_a_draft_model(llama_dir, draft_dir, max_batch):
+    prompts = random_prompts(100, 4, 40, seed=41)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    opts = dict(dtype="float32", max_batch=max_batch)
+    plain = LLM(str(llama_dir), **opts).generate(prompts, params)
+    llm = LLM(str(llama_dir), speculative=_spec(draft_dir), **opts)
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = llm.engine.spec_stats
+    assert 0 < stats.accepted < stats.proposed  # some guesses kept, some rolled back
+    draft = llm.engine.proposers[1].proposer
+    assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_draft_model_state_survives_preemption_and_abort(llama_dir, draft_dir):
+    prompts = random_prompts(12, 20, 60, seed=42)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(str(llama_dir), dtype="float32").generate(prompts, params)
+    llm = LLM(str(llama_dir), dtype="float32", speculative=_spec(draft_dir), num_kv_blocks=24)
+    engine = llm.engine
+    reqs = [engine.add_request(p, params) for p in prompts]
+    victim = engine.add_request(prompts[0], params)
+    for _ in range(5):
+        engine.step()
+    engine.abort(victim.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+    assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
+    draft = engine.proposers[1].proposer
+    assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
+
+
+class _Row(Request):
+    def __init__(self, guess: int, q: torch.Tensor | None, seed: int):
+        super().__init__("r", [1], SamplingParams(temperature=1.0, seed=seed), max_tokens=8)
+        self.draft_ids = [guess]
+        self.draft_probs = None if q is None else q.unsqueeze(0)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_rejection_sampling_draws_exactly_from_the_target(proposer):
+    """Sampler level: 20,000 verifications of a guess drawn from q against target p; the
+    kept-or-resampled token must follow p (goodness of fit against the exact p)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 12, 20_000
+    p_logits = torch.randn(vocab, generator=g) * 1.5
+    p = p_logits.softmax(-1)
+    q = (torch.randn(vocab, generator=g) * 1.5).softmax(-1)
+    if proposer == "draft":
+        guesses = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+        reqs = [_Row(d, q, seed=i) for i, d in enumerate(guesses)]
+    else:  # a deterministic guess: q is one-hot
+        reqs = [_Row(int(p.argmin()), None, seed=i) for i in range(n)]
+    tokens = Sampler(torch.device("cpu"), seed=0)(p_logits.expand(n, vocab), reqs, [0] * n)
+    expected = p.double().numpy()
+    expected *= n / expected.sum()
+    counts = np.bincount(tokens.token_ids, minlength=vocab)
+    assert chisquare(counts, expected).pvalue > 0.01
+    if proposer == "draft":  # and the test has power: keeping every guess would follow q
+        assert chisquare(np.bincount(guesses, minlength=vocab), expected).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_outputs_follow_the_target_distribution(llama_dir, draft_dir, method):
+    """End to end: 600 seeded samples of the first four output tokens at a fixed prompt,
+    plain vs speculative; a chi-square test per position cannot tell them apart."""
+    head = random_prompts(1, 12, 13, seed=43)[0]
+    plain_llm = LLM(str(llama_dir), dtype="float32")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    path = plain_llm.generate(head, greedy)[0].token_ids
+    # The model's own greedy path, then its start again: n-gram guesses follow that path.
+    prompt = head + path + head
+    n = 600
+    spec = {"method": "ngram", "num_tokens": 3, "max_batch": None}
+    if method == "draft":
+        spec = _spec(draft_dir, k=3)
+
+    def sample(llm, first_seed):
+        params = [
+            SamplingParams(max_tokens=4, temperature=0.7, top_k=6, seed=first_seed + i)
+            for i in range(n)
+        ]
+        return np.array([o.token_ids for o in llm.generate([prompt] * n, params)])
+
+    plain = sample(plain_llm, 0)
+    llm = LLM(str(llama_dir), dtype="float32", speculative=spec)
+    speculative = sample(llm, 10_000)
+    assert llm.engine.spec_stats.accepted > (100 if method == "draft" else 20)
+    for pos in range(1, 4):
+        values = np.union1d(plain[:, pos], speculative[:, pos])
+        table = [[np.sum(arm[:, pos] == v) for v in values] for arm in (plain, speculative)]
+        assert chi2_contingency(table).pvalue > 0.01, pos
