@@ -20,6 +20,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--quantization",
+        choices=["nvfp4", "mxfp4"],
+        default=None,
+        help="quantize linear weights at load (an FP4 checkpoint needs no flag)",
+    )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="SPEC",
+        help="speculative decoding for every lane that sets none: ngram, draft, or a TOML table "
+        'such as \'{method="draft", model="DIR", num_tokens=4}\' (ultrafast uses ngram '
+        "unless told otherwise)",
+    )
+    p.add_argument(
         "--lane",
         action="append",
         default=[],
@@ -47,8 +61,23 @@ def parse_lane_flags(flags: list[str]) -> dict:
     return lanes
 
 
+def parse_speculative_flag(value: str | None) -> dict | None:
+    """'ngram' / 'draft' / a TOML inline table -> the `speculative` option."""
+    from expresslane.server.settings import tomllib
+
+    if value is None:
+        return None
+    if value.strip().startswith("{"):
+        try:
+            return tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise SystemExit(f"--speculative {value!r}: {e}") from None
+    return {"method": value}
+
+
 def _engine_options(args: argparse.Namespace) -> dict:
     lanes = parse_lane_flags(args.lane)
+    speculative = parse_speculative_flag(args.speculative)
     return dict(
         device=args.device,
         dtype=args.dtype,
@@ -57,7 +86,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization,
         **({"lanes": lanes} if lanes else {}),
+        **({"speculative": speculative} if speculative else {}),
     )
 
 
@@ -115,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from expresslane.bench.cli import add_bench_command
     from expresslane.cli_accounts import add_account_commands
+    from expresslane.cli_quant import add_quantize_command
 
     add_account_commands(sub)
+    add_quantize_command(sub)
     add_bench_command(sub)
     return parser
 

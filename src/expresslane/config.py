@@ -28,7 +28,7 @@ class EngineConfig:
     speculative: dict | None = None  # every lane's, unless the lane sets its own
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py
     calibrate: bool = True  # time synthetic steps at server start for the step-latency model
-    quantization: str | None = None
+    quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
     kv_cache_dtype: str = "auto"
 
     @classmethod
@@ -40,10 +40,14 @@ class EngineConfig:
                 f"unknown option(s) {unknown}; known: {sorted(known - {'model'})}"
             )
         config = cls(model=model, **options)
-        if config.quantization is not None or config.kv_cache_dtype != "auto":
+        from expresslane.quant.formats import FORMATS
+
+        if config.quantization is not None and config.quantization not in FORMATS:
             raise InvalidRequestError(
-                "quantization and kv_cache_dtype are not implemented yet; leave them unset"
+                f"unknown quantization {config.quantization!r}; choose from {sorted(FORMATS)}"
             )
+        if config.kv_cache_dtype != "auto":
+            raise InvalidRequestError("kv_cache_dtype is not implemented yet; leave it unset")
         return config
 
     @property

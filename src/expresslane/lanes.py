@@ -26,7 +26,8 @@ class Lane:
     # Per-request decode speed this lane is held at by capping the lower lanes; None: no
     # target; "auto": a fraction (`auto_target_fraction`) of the calibrated solo speed.
     target_tokens_per_s: float | str | None = None
-    speculative: dict | None = None  # overrides the engine's `speculative` for this lane
+    # Overrides the engine's `speculative` for this lane; False: no speculation here.
+    speculative: dict | bool | None = None
     enabled: bool = True
 
 
@@ -34,7 +35,12 @@ AUTO_TARGET_FRACTION = 1 / 3
 
 DEFAULT_LANES = {
     "ultrafast": Lane(
-        "ultrafast", 0, max_batch=4, price_multiplier=6.0, target_tokens_per_s="auto"
+        "ultrafast",
+        0,
+        max_batch=4,
+        price_multiplier=6.0,
+        target_tokens_per_s="auto",
+        speculative={"method": "ngram", "num_tokens": 4},
     ),
     "default": Lane("default", 1, max_batch=64, price_multiplier=1.0),
     "flex": Lane("flex", 2, max_batch=64, price_multiplier=0.5, preemptible=True),

@@ -51,7 +51,7 @@ class LLMEngine:
         if mcfg.sliding_window:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
         self.model, self.model_config = load_model(
-            model_dir, self.dtype, self.device, max_len, linear_dtype
+            model_dir, self.dtype, self.device, max_len, linear_dtype, config.quantization
         )
         tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
         self.tokenizer = (

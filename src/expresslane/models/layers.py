@@ -68,6 +68,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def make_linear(weight, bias: torch.Tensor | None = None) -> nn.Module:
+    """A `Linear`, or an `Fp4Linear` for a weight read from an FP4 checkpoint."""
+    from expresslane.quant.linear import Fp4Linear, Fp4Weight
+
+    return Fp4Linear(weight, bias) if isinstance(weight, Fp4Weight) else Linear(weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()

@@ -13,7 +13,7 @@ from torch import nn
 
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
-from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope
+from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
 
 
 class DecoderLayer(nn.Module):
@@ -21,11 +21,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
-        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))
-        self.o = Linear(w["o"])
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"))
+        self.o = make_linear(w["o"])
         self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
-        self.gate_up = Linear(w["gate_up"])
-        self.down = Linear(w["down"])
+        self.gate_up = make_linear(w["gate_up"])
+        self.down = make_linear(w["down"])
         self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -72,14 +72,14 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
-        self.lm_head = Linear(weights["lm_head"])
+        self.lm_head = make_linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
         self.decode_stack = None
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if hasattr(m, "prepare_cpu") and m is not self:
                 m.prepare_cpu(compute_dtype)
 
     def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
@@ -116,7 +116,7 @@ def build_decode_stack(model: LlamaModel):
     kernel; None otherwise (then the Python layers run)."""
     layers = model.layers
     linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if not linears or any(m._bf16_kernel is None for m in linears):
+    if not linears or any(getattr(m, "_bf16_kernel", None) is None for m in linears):
         return None
     from expresslane.kernels import cpu_kernels
 

@@ -12,6 +12,8 @@ from safetensors import safe_open
 from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
+from expresslane.quant.checkpoint import quantize_tensors, read_fp4_weights
+from expresslane.quant.linear import Fp4Weight
 
 _RENAMES = {
     "input_layernorm.weight": "input_norm",
@@ -70,7 +72,8 @@ def fuse_weights(
     def take(name: str, to: torch.dtype = dtype) -> torch.Tensor:
         if name not in raw:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        return raw[name].to(to)
+        t = raw[name]
+        return t if isinstance(t, Fp4Weight) else t.to(to)
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -85,7 +88,9 @@ def fuse_weights(
             if dst == "qkv_bias" and p + parts[0] not in raw:
                 continue
             to = dtype if dst == "qkv_bias" else linear_dtype
-            out[f"layers.{i}.{dst}"] = torch.cat([take(p + s, to) for s in parts], dim=0)
+            tensors = [take(p + s, to) for s in parts]
+            fused = Fp4Weight.cat if isinstance(tensors[0], Fp4Weight) else torch.cat
+            out[f"layers.{i}.{dst}"] = fused(tensors)
     return out
 
 
@@ -95,12 +100,20 @@ def load_model(
     device: torch.device,
     max_positions: int,
     linear_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """`dtype` is the compute dtype; on CPU, `linear_dtype=torch.bfloat16` with a float32
     `dtype` keeps bf16 linear weights for the small-batch kernel (see `Linear.prepare_cpu`)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    weights = fuse_weights(cfg, read_checkpoint(model_dir), dtype, linear_dtype)
+    raw = read_checkpoint(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if quantization and not config.get("quantization_config"):
+        raw, _ = quantize_tensors(raw, config, quantization)  # in memory, at load
+        cfg.tie_word_embeddings = config.get("tie_word_embeddings", cfg.tie_word_embeddings)
+    if config.get("quantization_config"):
+        read_fp4_weights(raw, config["quantization_config"])
+    weights = fuse_weights(cfg, raw, dtype, linear_dtype)
     weights = {k: v.to(device) for k, v in weights.items()}
     model = LlamaModel(cfg, weights, dtype, max_positions).to(device)
     if device.type == "cpu":

@@ -22,7 +22,24 @@ from dataclasses import dataclass
 
 import torch
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # Midpoints between neighbouring magnitudes; at a tie the even code (mantissa bit 0) wins:

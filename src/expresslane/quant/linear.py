@@ -1,0 +1,75 @@
+"""A linear layer with block-scaled 4-bit weights (MXFP4 / NVFP4), activations unquantized
+(W4A16 / W4A32 on CPU, as engines run FP4 on hardware without FP4 matmuls)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from expresslane.quant.formats import Fp4Format, Fp4Tensor
+
+
+class Fp4Weight:
+    """A (possibly fused) FP4 weight: codes [N, K/2], block scales [N, K/block] (uint8) and
+    a float32 scale per output row (NVFP4's tensor scale, per fused part)."""
+
+    def __init__(self, fmt: Fp4Format, packed, scales, row_scales):
+        self.fmt = fmt
+        self.packed = packed
+        self.scales = scales
+        self.row_scales = row_scales
+
+    @classmethod
+    def from_tensor(cls, t: Fp4Tensor) -> Fp4Weight:
+        rows = torch.full((t.packed.shape[0],), t.tensor_scale, dtype=torch.float32)
+        return cls(t.fmt, t.packed, t.scales, rows)
+
+    @classmethod
+    def cat(cls, parts: list[Fp4Weight]) -> Fp4Weight:
+        if len({p.fmt for p in parts}) != 1:
+            raise ValueError("cannot fuse weights of different formats")
+        return cls(
+            parts[0].fmt,
+            torch.cat([p.packed for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.row_scales for p in parts]),
+        )
+
+    def to(self, device: torch.device) -> Fp4Weight:
+        return Fp4Weight(
+            self.fmt, self.packed.to(device), self.scales.to(device), self.row_scales.to(device)
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = Fp4Tensor(self.fmt, self.packed, self.scales)  # tensor scale 1: rows carry it
+        return (t.dequantize() * self.row_scales.unsqueeze(1)).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() + 4 * self.row_scales.numel()
+
+
+class Fp4Linear(nn.Module):
+    """y = x W^T + b with W stored as FP4. The reference path dequantizes per call; it is what
+    the kernels are tested against, not a fast path."""
+
+    def __init__(self, weight: Fp4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.fmt = weight.fmt
+        self.register_buffer("packed", weight.packed, persistent=False)
+        self.register_buffer("scales", weight.scales, persistent=False)
+        self.register_buffer("row_scales", weight.row_scales, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = weight.packed.shape[0]
+
+    @property
+    def weight_fp4(self) -> Fp4Weight:
+        return Fp4Weight(self.fmt, self.packed, self.scales, self.row_scales)
+
+    def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_fp4.dequantize(x.dtype)
+        return torch.nn.functional.linear(x, w, self.bias)
