@@ -36,3 +36,25 @@ def test_linear_uses_the_kernel_for_small_batches_only():
     for m in (1, Linear.SMALL_BATCH, Linear.SMALL_BATCH + 5):
         x = torch.randn(m, 64)
         torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, m, bias):
+    from expresslane.quant.formats import FORMATS, quantize
+    from expresslane.quant.linear import Fp4Linear, Fp4Weight
+
+    g = torch.Generator().manual_seed(m)
+    fmt = FORMATS[fmt_name]
+    parts = [quantize(torch.randn(n, 192, generator=g) * 0.05, fmt) for n in (64, 32, 32)]
+    weight = Fp4Weight.cat([Fp4Weight.from_tensor(p) for p in parts])  # per-row tensor scales
+    b = torch.randn(128, generator=g) if bias else None
+    layer = Fp4Linear(weight, b)
+    layer.prepare_cpu(torch.float32)
+    assert layer.kernel_weights() is not None
+    x = torch.randn(m, 192, generator=g)
+    ref = F.linear(x, weight.dequantize(), b)
+    torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.reference(x), ref)

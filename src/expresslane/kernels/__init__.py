@@ -24,7 +24,7 @@ def cpu_kernels():
 
         return load(
             name="expresslane_cpu_kernels",
-            sources=[str(_SRC / "gemv_cpu.cpp"), str(_SRC / "decode_cpu.cpp")],
+            sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

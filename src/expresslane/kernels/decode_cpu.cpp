@@ -3,21 +3,29 @@
 // At decode batch sizes a layer is ~45 small tensor operations; issued from Python each one
 // pays interpreter and binding overhead that adds up to several milliseconds per step for a
 // 30-layer model, as much as streaming the weights. This replays exactly the operations of
-// expresslane.models.llama.DecoderLayer + PagedAttention._decode (float32 activations, bf16
-// linear weights through the AVX2 kernel of gemv_cpu.cpp) without going back to Python.
+// expresslane.models.llama.DecoderLayer + PagedAttention._decode (float32 activations, bf16 or
+// FP4 linear weights through the AVX2 kernels of gemv_cpu.cpp / fp4_cpu.cpp) without going
+// back to Python.
 // The Python code is the reference it is tested against.
 #include <torch/extension.h>
 
 #include <vector>
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
+                         c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
 
 namespace {
 
+// A bf16 weight [N, K], or FP4 codes + block scales + row scales (see fp4_cpu.cpp).
 struct Linear {
-  torch::Tensor weight;  // bf16 [N, K]
+  std::vector<torch::Tensor> w;
   c10::optional<torch::Tensor> bias;
-  torch::Tensor operator()(const torch::Tensor& x) const { return bf16_linear(x, weight, bias); }
+  int64_t block = 0, scale_kind = 0;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (w.size() == 1) return bf16_linear(x, w[0], bias);
+    return fp4_linear(x, w[0], w[1], w[2], bias, block, scale_kind);
+  }
 };
 
 struct Layer {
@@ -33,18 +41,20 @@ class DecodeStack {
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps)
       : H(num_heads), Hkv(num_kv_heads), D(head_dim), F(ffn), eps(eps) {}
 
+  // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
+  // fp4_block / fp4_scale_kind describe the FP4 ones.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                 torch::Tensor o, torch::Tensor gate_up, torch::Tensor down, torch::Tensor kv_cache) {
+                 c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
+                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor kv_cache, int64_t fp4_block,
+                 int64_t fp4_scale_kind) {
+    TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
     Layer l;
     l.input_norm = input_norm;
     l.post_norm = post_norm;
     if (q_norm) l.q_norm = *q_norm;
     if (k_norm) l.k_norm = *k_norm;
-    l.qkv = {qkv, qkv_bias};
-    l.o = {o, c10::nullopt};
-    l.gate_up = {gate_up, c10::nullopt};
-    l.down = {down, c10::nullopt};
+    Linear* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) *dst[i] = {linears[i], i == 0 ? qkv_bias : c10::nullopt, fp4_block, fp4_scale_kind};
     l.kv_cache = kv_cache;
     layers.push_back(l);
   }

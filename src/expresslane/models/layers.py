@@ -58,6 +58,10 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(w, requires_grad=False)
 
+    def kernel_weights(self) -> list[torch.Tensor] | None:
+        """What the C++ decode step needs to run this layer, or None if it cannot."""
+        return None if self._bf16_kernel is None else [self._bf16]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_kernel is not None and x.shape[0] <= self.SMALL_BATCH:
             return self._bf16_kernel(x, self._bf16, self.bias)

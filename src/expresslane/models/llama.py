@@ -112,14 +112,17 @@ class LlamaModel(nn.Module):
 
 
 def build_decode_stack(model: LlamaModel):
-    """The C++ decode step (kernels/decode_cpu.cpp) when every linear layer runs the bf16 CPU
-    kernel; None otherwise (then the Python layers run)."""
+    """The C++ decode step (kernels/decode_cpu.cpp) when every linear layer runs a CPU kernel
+    (bf16 or FP4); None otherwise (then the Python layers run)."""
     layers = model.layers
     linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if not linears or any(getattr(m, "_bf16_kernel", None) is None for m in linears):
+    if not linears or any(m.kernel_weights() is None for m in linears):
         return None
     from expresslane.kernels import cpu_kernels
 
+    fp4 = [m for m in linears if hasattr(m, "fmt")]
+    block = fp4[0].fmt.block_size if fp4 else 0
+    kind = int(fp4[0].fmt.scale_dtype == "e4m3") if fp4 else 0
     cfg = model.cfg
     stack = cpu_kernels().DecodeStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
@@ -130,11 +133,10 @@ def build_decode_stack(model: LlamaModel):
             layer.post_norm.weight,
             None if layer.q_norm is None else layer.q_norm.weight,
             None if layer.k_norm is None else layer.k_norm.weight,
-            layer.qkv._bf16,
+            [m.kernel_weights() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
             layer.qkv.bias,
-            layer.o._bf16,
-            layer.gate_up._bf16,
-            layer.down._bf16,
             layer.attn.kv_cache,
+            block,
+            kind,
         )
     return stack

@@ -50,8 +50,15 @@ class Fp4Weight:
 
 
 class Fp4Linear(nn.Module):
-    """y = x W^T + b with W stored as FP4. The reference path dequantizes per call; it is what
-    the kernels are tested against, not a fast path."""
+    """y = x W^T + b with W stored as FP4.
+
+    On CPUs with AVX2 small batches (decode) run the kernel in kernels/fp4_cpu.cpp, which
+    expands codes in registers. Larger batches (prompt chunks) are compute-bound: the weight
+    is expanded once per call and multiplied with a regular GEMM, which costs N*K against the
+    GEMM's M*N*K. Without the kernel (other CPUs, CUDA until a Triton kernel lands) every call
+    takes that path; it is also the reference the kernel is tested against."""
+
+    SMALL_BATCH = 8
 
     def __init__(self, weight: Fp4Weight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -61,15 +68,32 @@ class Fp4Linear(nn.Module):
         self.register_buffer("row_scales", weight.row_scales, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features = weight.packed.shape[0]
+        self._kernel = None
 
     @property
     def weight_fp4(self) -> Fp4Weight:
         return Fp4Weight(self.fmt, self.packed, self.scales, self.row_scales)
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
+        from expresslane.kernels import cpu_kernels
+
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
+        kernels = cpu_kernels()
+        if kernels is not None and compute_dtype == torch.float32:
+            self._kernel = kernels.fp4_linear
+
+    def kernel_weights(self) -> list[torch.Tensor] | None:
+        return None if self._kernel is None else [self.packed, self.scales, self.row_scales]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.shape[0] <= self.SMALL_BATCH:
+            kind = int(self.fmt.scale_dtype == "e4m3")
+            return self._kernel(
+                x, self.packed, self.scales, self.row_scales, self.bias, self.fmt.block_size, kind
+            )
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_fp4.dequantize(x.dtype)
         return torch.nn.functional.linear(x, w, self.bias)

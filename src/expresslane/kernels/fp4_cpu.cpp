@@ -1,0 +1,133 @@
+// Small-batch linear layers with block-scaled 4-bit weights (MXFP4 / NVFP4) for CPUs with
+// AVX2 + FMA: y = x W^T (+ b), x float32 [M, K], W as E2M1 codes two per byte [N, K/2] (low
+// nibble first), one scale byte per block [N, K/block] (E8M0 exponent or E4M3 bits) and one
+// float32 scale per output row (NVFP4's tensor scale). y float32 [M, N].
+//
+// A block's 16 or 32 codes are expanded in registers: split into nibbles, looked up with one
+// byte shuffle in a table of the E2M1 values doubled to integers (0, 1, 2, 3, 4, 6, 8, 12 and
+// negatives; the block scale is halved to match), widened to float32 and fed to FMAs. The
+// block's partial sums are scaled once per block. The weight is never expanded in memory, so
+// a decode step reads 4.25-4.5 bits per weight instead of 16.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <immintrin.h>
+
+#include <array>
+#include <cmath>
+
+namespace {
+
+alignas(16) const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Scale byte -> float, halved to undo the doubled E2M1 table. kind 0: E8M0, 1: E4M3.
+const float* scale_table(int64_t kind) {
+  static const std::array<std::array<float, 256>, 2> tables = [] {
+    std::array<std::array<float, 256>, 2> t{};
+    for (int i = 0; i < 256; ++i) {
+      t[0][i] = i == 255 ? NAN : std::ldexp(0.5f, i - 127);
+      const c10::Float8_e4m3fn e4m3(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits());
+      t[1][i] = 0.5f * static_cast<float>(e4m3);
+    }
+    return t;
+  }();
+  return tables[kind].data();
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// 16 codes (8 bytes) -> 16 int8 values, element order preserved.
+inline __m128i expand16(const uint8_t* p, __m128i lut, __m128i low4) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(b, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+  return _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+}
+
+template <int M>
+inline void fma16(__m128i v, const float* x, int64_t K, int64_t k, __m256* blk) {
+  const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  for (int m = 0; m < M; ++m) {
+    blk[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), blk[m]);
+    blk[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), blk[m]);
+  }
+}
+
+template <int M, int BS>
+inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scales, const float* table,
+                       float row_scale, float* y, int64_t K, int64_t N, int64_t n, const float* bias) {
+  const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Doubled));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t blocks = K / BS;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = codes + b * (BS / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
+    __m256 blk[M];
+    for (int m = 0; m < M; ++m) blk[m] = _mm256_setzero_ps();
+    for (int h = 0; h < BS / 16; ++h) fma16<M>(expand16(p + 8 * h, lut, low4), x, K, b * BS + 16 * h, blk);
+    const __m256 s = _mm256_set1_ps(table[scales[b]]);
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(blk[m], s, acc[m]);
+  }
+  for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + (bias ? bias[n] : 0.0f);
+}
+
+template <int M, int BS>
+void gemv(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
+          const float* table, float* y, int64_t K, int64_t N, const float* bias) {
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      row_kernel<M, BS>(x, codes + n * (K / 2), scales + n * (K / BS), table, row_scales[n], y, K, N, n, bias);
+  });
+}
+
+template <int BS>
+void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
+         const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    const float* xp = x + m0 * K;
+    float* yp = y + m0 * N;
+    switch (mb) {
+      case 1: gemv<1, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
+      case 2: gemv<2, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
+      case 3: gemv<3, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
+      default: gemv<4, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
+                         c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: float32 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kUInt8, "codes, scales: uint8");
+  TORCH_CHECK(block == 16 || block == 32, "block size 16 or 32");
+  TORCH_CHECK(scale_kind == 0 || scale_kind == 1, "scale kind 0 (E8M0) or 1 (E4M3)");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % block == 0 && codes.size(1) * 2 == K && scales.size(1) * block == K, "shapes");
+  TORCH_CHECK(row_scales.dtype() == torch::kFloat32 && row_scales.numel() == N, "row scales");
+  x = x.contiguous();
+  codes = codes.contiguous();
+  scales = scales.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->to(torch::kFloat32).contiguous();
+    b = bias_c.data_ptr<float>();
+  }
+  const float* table = scale_table(scale_kind);
+  auto* run_fn = block == 16 ? &run<16> : &run<32>;
+  run_fn(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scales.data_ptr<float>(),
+         table, y.data_ptr<float>(), M, K, N, b);
+  return y;
+}
