@@ -146,10 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from expresslane.bench.cli import add_bench_command
     from expresslane.cli_accounts import add_account_commands
-    from expresslane.cli_quant import add_quantize_command
+    from expresslane.cli_quant import add_perplexity_command, add_quantize_command
 
     add_account_commands(sub)
     add_quantize_command(sub)
+    add_perplexity_command(sub)
     add_bench_command(sub)
     return parser
 

@@ -1,4 +1,5 @@
-"""`expresslane quantize`: write a block-scaled 4-bit copy of a checkpoint."""
+"""`expresslane quantize` (a block-scaled 4-bit copy of a checkpoint) and `expresslane
+perplexity` (quality on the demo model's held-out corpus, to measure what quantization costs)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,40 @@ def add_quantize_command(sub) -> None:
         "the embedding table and norms are always kept)",
     )
     q.set_defaults(func=cmd_quantize)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from expresslane import LLM
+    from expresslane.perplexity import heldout_text, perplexity
+
+    options = {"dtype": args.dtype}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    llm = LLM(args.model, max_model_len=max(args.window, 256), **options)
+    result = perplexity(llm, heldout_text(), args.max_tokens, args.window)
+    result.update(
+        model=args.model or "demo",
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    print(
+        json.dumps(result)
+        if args.json
+        else f"perplexity {result['perplexity']:.3f} "
+        f"(loss {result['loss']:.4f} nats/token over {result['tokens']:,} held-out tokens)"
+    )
+    return 0
+
+
+def add_perplexity_command(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity on the demo model's held-out corpus")
+    p.add_argument("--model", default=None, help="model directory (default: the demo target)")
+    p.add_argument("--quantization", choices=["nvfp4", "mxfp4"], default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=100_000)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_perplexity)
