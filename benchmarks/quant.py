@@ -1,0 +1,114 @@
+"""Block-scaled 4-bit weights against bf16, same run: decode speed and bytes, and quality.
+
+1. Random weights of the SmolLM2-135M architecture (bf16 checkpoint), quantized with
+   `expresslane quantize` to NVFP4 and MXFP4; batch-1 decode tokens/s (prompt 128, 64 new
+   tokens, first token excluded), modes interleaved over several rounds (median reported).
+   Weight bytes: what one decode step streams (every linear layer incl. the output
+   projection; the embedding table is only indexed) and the checkpoint size on disk.
+2. The demo target's perplexity on its held-out corpus (`expresslane perplexity`), bf16
+   against NVFP4 and MXFP4 quantized at load.
+
+    python benchmarks/quant.py [--rounds 3] [--ppl-tokens 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+from common import CACHE, SMOLLM2_135M, machine, random_checkpoint, save_results
+from safetensors import safe_open
+
+from expresslane import LLM, SamplingParams
+from expresslane.perplexity import heldout_text, perplexity
+from expresslane.quant.checkpoint import quantize_checkpoint
+
+PROMPT, NEW = 128, 64
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def streamed_weight_bytes(model_dir) -> int:
+    """Bytes of linear-layer weights one decode step reads: every 2-D weight but the
+    embedding table (the output projection reads it in full when tied), bf16 at 2 bytes."""
+    config = json.loads((model_dir / "config.json").read_text())
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - not a dict
+            t = f.get_slice(name)
+            numel = math.prod(t.get_shape())
+            size = 2 if t.get_dtype() in ("BF16", "F16", "F32") else 1
+            if name.endswith(".weight_tensor_scale"):
+                size = 4
+            is_embed = name == "model.embed_tokens.weight"
+            if "norm" in name or (is_embed and not config.get("tie_word_embeddings")):
+                continue
+            total += numel * size
+    return total
+
+
+def decode_speed(llms: dict[str, LLM], rounds: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (PROMPT,), generator=g).tolist()
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    speeds: dict[str, list[float]] = {name: [] for name in llms}
+    for llm in llms.values():
+        llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            speeds[name].append(llm.generate(prompt, params)[0].metrics["decode_tokens_per_s"])
+    return {name: statistics.median(v) for name, v in speeds.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ppl-tokens", type=int, default=100_000)
+    args = ap.parse_args()
+    results: dict = {"machine": machine(), "args": vars(args)}
+
+    src = random_checkpoint("smollm2-135m", SMOLLM2_135M)
+    dirs = {"bf16": src}
+    disk = {"bf16": (src / "model.safetensors").stat().st_size}
+    for fmt in FORMATS:
+        out = CACHE / f"smollm2-135m-{fmt}"
+        if not (out / "model.safetensors").is_file():
+            quantize_checkpoint(src, out, fmt)
+        dirs[fmt] = out
+        disk[fmt] = (out / "model.safetensors").stat().st_size
+    llms = {name: LLM(str(d), max_model_len=1024) for name, d in dirs.items()}
+    speed = decode_speed(llms, args.rounds)
+    streamed = {name: streamed_weight_bytes(d) for name, d in dirs.items()}
+    del llms
+    results["smollm2_135m"] = {
+        name: {
+            "decode_tok_s": round(speed[name], 1),
+            "speedup_vs_bf16": round(speed[name] / speed["bf16"], 2),
+            "streamed_weight_mb": round(streamed[name] / 1e6, 1),
+            "streamed_vs_bf16": round(streamed[name] / streamed["bf16"], 3),
+            "checkpoint_mb": round(disk[name] / 1e6, 1),
+            "checkpoint_vs_bf16": round(disk[name] / disk["bf16"], 3),
+        }
+        for name in dirs
+    }
+    for name, row in results["smollm2_135m"].items():
+        print(f"SmolLM2-135M {name}: {row}", flush=True)
+
+    text = heldout_text()
+    ppl = {}
+    for q in (None, *FORMATS):
+        llm = LLM(quantization=q, max_model_len=1024)
+        ppl[q or "bf16"] = perplexity(llm, text, args.ppl_tokens)["perplexity"]
+        del llm
+    results["demo_perplexity"] = {
+        name: {"perplexity": p, "rise_vs_bf16": round(p / ppl["bf16"] - 1, 4)}
+        for name, p in ppl.items()
+    }
+    print("demo target perplexity:", results["demo_perplexity"])
+    print("saved", save_results("quant", results))
+
+
+if __name__ == "__main__":
+    main()
