@@ -26,6 +26,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="quantize linear weights at load (an FP4 checkpoint needs no flag)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp4"],
+        default="auto",
+        help="store the KV cache compressed: fp8 (E4M3, a scale per token and head) or fp4 "
+        "(E2M1, an E4M3 scale per 16 values)",
+    )
+    p.add_argument(
         "--speculative",
         default=None,
         metavar="SPEC",
@@ -87,6 +94,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         **({"lanes": lanes} if lanes else {}),
         **({"speculative": speculative} if speculative else {}),
     )

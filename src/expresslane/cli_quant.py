@@ -74,7 +74,7 @@ def add_perplexity_command(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity on the demo model's held-out corpus")
     p.add_argument("--model", default=None, help="model directory (default: the demo target)")
     p.add_argument("--quantization", choices=["nvfp4", "mxfp4"], default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp4"], default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-tokens", type=int, default=100_000)
     p.add_argument("--window", type=int, default=1024)

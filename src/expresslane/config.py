@@ -29,7 +29,7 @@ class EngineConfig:
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py
     calibrate: bool = True  # time synthetic steps at server start for the step-latency model
     quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp4": compressed KV blocks (models/kv_store.py)
 
     @classmethod
     def from_options(cls, model: str | None, options: dict) -> EngineConfig:
@@ -46,8 +46,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"unknown quantization {config.quantization!r}; choose from {sorted(FORMATS)}"
             )
-        if config.kv_cache_dtype != "auto":
-            raise InvalidRequestError("kv_cache_dtype is not implemented yet; leave it unset")
+        from expresslane.models.kv_store import KV_CACHE_DTYPES
+
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"unknown kv_cache_dtype {config.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}"
+            )
         return config
 
     @property

@@ -4,7 +4,9 @@ pass (so quantized weights and KV formats are measured as they are served).
 The corpus is the held-out split of the Python standard library that the demo model never saw
 (listed in assets/demo/training.json): those files of the running interpreter, sorted, each
 followed by the end-of-text token. The first `max_tokens` are scored in windows of `window`
-tokens, each window predicting its own next tokens from its start (as in training).
+tokens, each window predicting its own next tokens from its start (as in training). A window
+is fed in chunks that read their context back from the KV cache, as serving does, so a
+compressed `kv_cache_dtype` is measured too.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def heldout_text(eot: str = "<|endoftext|>") -> str:
 
 
 @torch.inference_mode()
-def perplexity(llm: LLM, text: str, max_tokens: int = 100_000, window: int = 1024) -> dict:
+def perplexity(
+    llm: LLM, text: str, max_tokens: int = 100_000, window: int = 1024, chunk: int = 128
+) -> dict:
     engine = llm.engine
     if engine.tokenizer is None:
         raise InvalidRequestError("perplexity needs a model with a tokenizer")
@@ -54,12 +58,17 @@ def perplexity(llm: LLM, text: str, max_tokens: int = 100_000, window: int = 102
     nll, count = 0.0, 0
     try:
         for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor(ids[start : start + window + 1], device=engine.device)
-            n = len(chunk) - 1
-            meta = AttentionMetadata(slot_mapping=slots[:n], prefills=[PrefillChunk(0, n, n, None)])
-            logits = engine.model(chunk[:n], pos[:n].to(engine.device), meta)
-            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            count += n
+            tokens = torch.tensor(ids[start : start + window + 1], device=engine.device)
+            for c0 in range(0, len(tokens) - 1, chunk):
+                c1 = min(len(tokens) - 1, c0 + chunk)
+                meta = AttentionMetadata(
+                    slot_mapping=slots[c0:c1],
+                    prefills=[PrefillChunk(0, c1 - c0, c1, slots[:c1])],
+                )
+                logits = engine.model(tokens[c0:c1], pos[c0:c1].to(engine.device), meta)
+                target = tokens[c0 + 1 : c1 + 1]
+                nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+                count += c1 - c0
     finally:
         engine.kv.release(holder)
     loss = nll / max(count, 1)

@@ -62,7 +62,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        self.kv_bytes_per_token = per_block // config.block_size
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
@@ -78,7 +79,14 @@ class LLMEngine:
             self.kv, config.max_batch, config.max_num_batched_tokens, self.lanes, self.step_model
         )
         self.runner = ModelRunner(
-            self.model, mcfg, num_blocks, config.block_size, self.dtype, self.device, config.seed
+            self.model,
+            mcfg,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.seed,
+            config.kv_cache_dtype,
         )
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}

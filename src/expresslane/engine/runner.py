@@ -14,11 +14,15 @@ from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler, SampleResult
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
+from expresslane.models.kv_store import STORES
 from expresslane.models.llama import LlamaModel
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * dtype.itemsize
+def kv_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    per_token = STORES[kv_cache_dtype].bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype)
+    return cfg.num_layers * block_size * per_token
 
 
 class ModelRunner:
@@ -31,14 +35,17 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         slots = num_blocks * block_size
+        store = STORES[kv_cache_dtype]
         self.kv_caches = [
-            torch.zeros(2, cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype, device=device)
+            store(cfg.num_kv_heads, slots, cfg.head_dim, dtype, device)
             for _ in range(cfg.num_layers)
         ]
         model.bind_kv_cache(self.kv_caches)
@@ -112,7 +119,7 @@ class ModelRunner:
         meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
         if (lens != L).any():
             pad = pos[None, :] >= lens[:, None]
-            mask = torch.zeros(len(reqs), 1, 1, L, dtype=self.kv_caches[0].dtype)
+            mask = torch.zeros(len(reqs), 1, 1, L, dtype=self.dtype)
             mask.masked_fill_(torch.from_numpy(pad).view(len(reqs), 1, 1, L), float("-inf"))
             meta.decode_mask = mask.to(self.device)
 

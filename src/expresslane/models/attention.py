@@ -6,8 +6,9 @@ speculative verification); they are attended as one padded batch with a grouped 
 on CPU is 8-15x faster than SDPA for a single query. The remaining tokens are prefill chunks,
 attended one sequence at a time with SDPA.
 
-The KV cache of one layer is a tensor [2, num_kv_heads, num_slots, head_dim]; slot = block id *
-block_size + offset. Every sequence's slots are precomputed once per step by the runner.
+The KV cache of one layer is a store (models/kv_store.py: plain, FP8 or FP4) addressed by slot =
+block id * block_size + offset. Every sequence's slots are precomputed once per step by the
+runner.
 """
 
 from __future__ import annotations
@@ -48,13 +49,11 @@ class PagedAttention(torch.nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
-        self.kv_cache: torch.Tensor | None = None
+        self.kv = None  # a store from models/kv_store.py, bound by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
-        cache = self.kv_cache
-        cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        self.kv.write(k, v, meta.slot_mapping)
         n_dec = meta.num_decode_tokens
         if not meta.prefills:
             return self._decode(q, meta)
@@ -69,7 +68,7 @@ class PagedAttention(torch.nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        kv = self.kv_cache.index_select(2, meta.decode_slots).view(2, Hkv, B, L, D)
+        kv = self.kv.read(meta.decode_slots).view(2, Hkv, B, L, D)
         # [B*Q, H, D] -> [Hkv, B, Q*G, D]: one matmul batch entry per (kv head, sequence)
         qg = q.view(B, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, Q * G, D)
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))
@@ -84,7 +83,7 @@ class PagedAttention(torch.nn.Module):
         if chunk.slots is None:
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            kv = self.kv_cache.index_select(2, chunk.slots)
+            kv = self.kv.read(chunk.slots)
             keys, values, causal = kv[0], kv[1], False
             offset = chunk.context_len - n
             q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset

@@ -13,6 +13,7 @@ from torch import nn
 
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
+from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
 
 
@@ -82,9 +83,10 @@ class LlamaModel(nn.Module):
             if hasattr(m, "prepare_cpu") and m is not self:
                 m.prepare_cpu(compute_dtype)
 
-    def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+    def bind_kv_cache(self, caches: list) -> None:
+        """One KV store per layer (models/kv_store.py); plain tensors are wrapped."""
         for layer, cache in zip(self.layers, caches, strict=True):
-            layer.attn.kv_cache = cache
+            layer.attn.kv = PlainKV.wrap(cache) if isinstance(cache, torch.Tensor) else cache
         self.decode_stack = build_decode_stack(self)
 
     @torch.inference_mode()
@@ -118,6 +120,8 @@ def build_decode_stack(model: LlamaModel):
     linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if not linears or any(m.kernel_weights() is None for m in linears):
         return None
+    if any(layer.attn.kv.tensor is None for layer in layers):
+        return None  # compressed KV: the Python layers dequantize it
     from expresslane.kernels import cpu_kernels
 
     fp4 = [m for m in linears if hasattr(m, "fmt")]
@@ -135,7 +139,7 @@ def build_decode_stack(model: LlamaModel):
             None if layer.k_norm is None else layer.k_norm.weight,
             [m.kernel_weights() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
             layer.qkv.bias,
-            layer.attn.kv_cache,
+            layer.attn.kv.tensor,
             block,
             kind,
         )

@@ -1,0 +1,115 @@
+"""How one layer's paged KV cache is stored: plainly, or compressed.
+
+Slots are the same in every format (slot = block id * block_size + offset), so paging, prefix
+caching and speculative rollback do not care. A store writes the new tokens' K/V at their
+slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute dtype:
+
+- `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
+- `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
+  (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (49% less at D = 64).
+- `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
+  NVFP4's block layout without the tensor scale: D/2 + D/16 bytes (72% less than bf16).
+
+Compressed stores dequantize what they read, in PyTorch (no fused kernel yet): they trade
+memory for some speed, and the C++ decode step, which reads plain tensors, is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from expresslane.quant.formats import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp4")
+
+
+class PlainKV:
+    def __init__(self, num_kv_heads: int, slots: int, head_dim: int, dtype, device):
+        self.tensor = torch.zeros(2, num_kv_heads, slots, head_dim, dtype=dtype, device=device)
+
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor) -> PlainKV:
+        store = cls.__new__(cls)
+        store.tensor = tensor
+        return store
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * dtype.itemsize
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D]."""
+        self.tensor[0].index_copy_(1, slots, k.transpose(0, 1))
+        self.tensor[1].index_copy_(1, slots, v.transpose(0, 1))
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.tensor.index_select(2, slots)
+
+
+class Fp8KV:
+    tensor = None  # no plain tensor for the C++ decode step
+
+    def __init__(self, num_kv_heads: int, slots: int, head_dim: int, dtype, device):
+        self.dtype = dtype
+        # E4M3 bits kept as uint8: index_copy_ has no float8 kernel on CPU
+        self.values = torch.zeros(
+            2, num_kv_heads, slots, head_dim, dtype=torch.uint8, device=device
+        )
+        self.scales = torch.ones(2, num_kv_heads, slots, 1, dtype=torch.float16, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * (head_dim + 2)
+
+    def write(self, k, v, slots) -> None:
+        x = torch.stack((k, v)).transpose(1, 2).float()  # [2, Hkv, T, D]
+        scale = (x.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-8).half()
+        e4m3 = (x / scale.float()).to(torch.float8_e4m3fn)
+        self.values.index_copy_(2, slots, e4m3.view(torch.uint8))
+        self.scales.index_copy_(2, slots, scale)
+
+    def read(self, slots) -> torch.Tensor:
+        values = self.values.index_select(2, slots).view(torch.float8_e4m3fn).float()
+        return (values * self.scales.index_select(2, slots).float()).to(self.dtype)
+
+
+class Fp4KV:
+    tensor = None
+    BLOCK = 16
+
+    def __init__(self, num_kv_heads: int, slots: int, head_dim: int, dtype, device):
+        if head_dim % self.BLOCK:
+            raise ValueError(f"fp4 KV needs a head dim divisible by {self.BLOCK}")
+        self.dtype = dtype
+        nb = head_dim // self.BLOCK
+        self.codes = torch.zeros(
+            2, num_kv_heads, slots, head_dim // 2, dtype=torch.uint8, device=device
+        )
+        self.scales = torch.zeros(2, num_kv_heads, slots, nb, dtype=torch.uint8, device=device)
+
+    @classmethod
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * (head_dim // 2 + head_dim // cls.BLOCK)
+
+    def write(self, k, v, slots) -> None:
+        x = torch.stack((k, v)).transpose(1, 2).float()  # [2, Hkv, T, D]
+        two, hkv, t, d = x.shape
+        blocks = x.reshape(two, hkv, t, d // self.BLOCK, self.BLOCK)
+        scale = (blocks.abs().amax(-1) / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        s = scale.float().unsqueeze(-1)
+        codes = e2m1_encode(torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0))
+        codes = codes.reshape(two, hkv, t, d)
+        self.codes.index_copy_(2, slots, codes[..., 0::2] | (codes[..., 1::2] << 4))
+        self.scales.index_copy_(2, slots, scale.view(torch.uint8))
+
+    def read(self, slots) -> torch.Tensor:
+        packed = self.codes.index_select(2, slots)
+        codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+        values = e2m1_decode(codes)
+        two, hkv, n, d = values.shape
+        scales = self.scales.index_select(2, slots).view(torch.float8_e4m3fn).float()
+        out = values.view(two, hkv, n, d // self.BLOCK, self.BLOCK) * scales.unsqueeze(-1)
+        return out.view(two, hkv, n, d).to(self.dtype)
+
+
+STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV}

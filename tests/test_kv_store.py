@@ -1,0 +1,66 @@
+"""Compressed KV cache stores: accuracy, bytes, and serving with them (prefix caching,
+speculative rollback, preemption)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane import LLM, SamplingParams
+from expresslane.errors import InvalidRequestError
+from expresslane.models.kv_store import STORES
+
+from .conftest import random_prompts
+
+
+@pytest.mark.parametrize(
+    ("dtype", "max_err", "min_saving"), [("fp8", 0.04, 0.45), ("fp4", 0.12, 0.65)]
+)
+def test_compressed_store_round_trip_and_size(dtype, max_err, min_saving):
+    g = torch.Generator().manual_seed(0)
+    store = STORES[dtype](2, 64, 64, torch.float32, torch.device("cpu"))
+    k = torch.randn(10, 2, 64, generator=g) * torch.logspace(-2, 1, 10).view(10, 1, 1)
+    v = torch.randn(10, 2, 64, generator=g)
+    slots = torch.tensor([3, 9, 17, 30, 31, 40, 50, 51, 52, 63])
+    store.write(k, v, slots)
+    back = store.read(slots)
+    for got, want in ((back[0].transpose(0, 1), k), (back[1].transpose(0, 1), v)):
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+        assert err.max() < max_err
+    bf16 = STORES["auto"].bytes_per_token(2, 64, torch.bfloat16)
+    assert 1 - store.bytes_per_token(2, 64, torch.float32) / bf16 >= min_saving
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+def test_serving_with_a_compressed_kv_cache(llama_dir, kv_dtype):
+    prompts = [p + p for p in random_prompts(6, 10, 40, seed=12)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(dtype="float32", kv_cache_dtype=kv_dtype)
+    plain = LLM(str(llama_dir), **opts).generate(prompts, params)
+    llm = LLM(str(llama_dir), speculative={"num_tokens": 4}, num_kv_blocks=20, **opts)
+    spec = llm.generate(prompts, params)  # rollback and preemption on compressed blocks
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert any(o.metrics["num_preemptions"] for o in spec)
+    llm.generate(prompts[0], params)
+    again = llm.generate(prompts[0], params)[0]  # its prompt blocks come from the cache
+    assert again.num_cached_tokens > 0 and again.token_ids == plain[0].token_ids
+    engine = llm.engine
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.model.decode_stack is None  # the C++ step reads plain KV only
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
+        LLM(str(llama_dir), kv_cache_dtype="int2")
+
+
+def test_compressed_kv_stays_close_to_plain(llama_dir):
+    """Teacher-forced logits through each store: compression perturbs them only slightly."""
+    from expresslane.perplexity import perplexity
+
+    text = (llama_dir / "tokenizer.json").read_text()[:4000]
+    ppl = {
+        kv: perplexity(LLM(str(llama_dir), dtype="float32", kv_cache_dtype=kv), text, 400, 200)
+        for kv in ("auto", "fp8", "fp4")
+    }
+    base = ppl["auto"]["perplexity"]
+    assert ppl["fp8"]["perplexity"] != base  # the compressed store is really read
+    assert ppl["fp8"]["perplexity"] == pytest.approx(base, rel=0.01)
+    assert ppl["fp4"]["perplexity"] == pytest.approx(base, rel=0.05)
