@@ -69,7 +69,7 @@ def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
 
     cfg_cls, model_cls, extra = ARCH_CONFIGS[arch]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(
+    settings = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -79,8 +79,8 @@ def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
         max_position_embeddings=512,
         eos_token_id=2,
         bos_token_id=None,
-        **{**extra, **overrides},
     )
+    cfg = getattr(transformers, cfg_cls)(**{**settings, **extra, **overrides})
     model = getattr(transformers, model_cls)(cfg).eval()
     out = root / arch
     model.save_pretrained(out)

@@ -64,3 +64,27 @@ def test_compressed_kv_stays_close_to_plain(llama_dir):
     assert ppl["fp8"]["perplexity"] != base  # the compressed store is really read
     assert ppl["fp8"]["perplexity"] == pytest.approx(base, rel=0.01)
     assert ppl["fp4"]["perplexity"] == pytest.approx(base, rel=0.05)
+
+
+def test_a_32k_token_request_with_fp4_kv_within_budget(tmp_path):
+    from .conftest import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path, "llama", max_position_embeddings=33_000)
+    llm = LLM(
+        str(ckpt),
+        dtype="float32",
+        kv_cache_dtype="fp4",
+        kv_cache_memory_gb=0.004,  # 4 MB: 58k fp4 tokens (8k in float32)
+        max_model_len=32_772,
+        max_num_batched_tokens=4096,
+    )
+    engine = llm.engine
+    prompt = torch.randint(3, 512, (32_768,), generator=torch.Generator().manual_seed(1)).tolist()
+    req = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.kv.num_used_blocks)
+    assert len(req.output_token_ids) == 4
+    assert peak * engine.kv.block_size >= 32_768
+    assert peak * engine.kv.block_size * engine.kv_bytes_per_token <= 0.004 * 2**30
