@@ -1,8 +1,9 @@
 """Turns a scheduled batch into model inputs, runs the forward pass and samples.
 
 Input preparation is plain NumPy over the requests' block tables (cheap at any batch size).
-Tokens are ordered: single-token sequences (decodes, and prompts with one token left) first,
-attended as one padded batch, then prompt chunks.
+Tokens are ordered: the uniform group first, attended as one padded batch (single-token
+decodes, or speculative verifications when every decoding sequence brings the same number of
+tokens), then prompt chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ def kv_bytes_per_block(
 ) -> int:
     per_token = STORES[kv_cache_dtype].bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype)
     return cfg.num_layers * block_size * per_token
+
+
+def _uniform_group(items):
+    """(uniform group, chunks). The group is every single-token sequence (decodes, prompts
+    with one token in this step), or, when there are none and every sequence that is decoding
+    brings the same number of tokens (speculative verification), those."""
+    singles = [(r, n) for r, n in items if n == 1]
+    decoding = [(r, n) for r, n in items if r.num_computed_tokens == r.num_tokens - 1]
+    group = singles
+    if not singles and decoding and len({n for _, n in decoding}) == 1:
+        group = decoding
+    members = {id(r) for r, _ in group}
+    return group, [(r, n) for r, n in items if id(r) not in members]
 
 
 class ModelRunner:
@@ -61,8 +75,8 @@ class ModelRunner:
 
         `samples` lists (request, rows): the request's last known token is sampled, plus one
         row per speculative guess in `draft_ids` (those tokens are scored in the same pass)."""
-        decodes = [(r, n) for r, n in items if n == 1]
-        chunks = [(r, n) for r, n in items if n > 1]
+        decodes, chunks = _uniform_group(items)
+        uniform = {id(r) for r, _ in decodes}
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
@@ -78,7 +92,7 @@ class ModelRunner:
             ids.extend(req.draft_ids[: n - len(tokens)])
             positions.append(np.arange(start, end))
             slot_parts.append(self._slots(req, start, end))
-            if n > 1:
+            if n > 1 and id(req) not in uniform:
                 ctx = None
                 if start > 0:  # attends to a cached prefix: read it from the paged cache
                     ctx = torch.from_numpy(self._slots(req, 0, end)).to(self.device)
@@ -92,7 +106,7 @@ class ModelRunner:
             prefills=prefills,
         )
         if decodes:
-            self._decode_metadata(meta, [r for r, _ in decodes])
+            self._decode_metadata(meta, [r for r, _ in decodes], decodes[0][1])
         dev = self.device
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -102,9 +116,10 @@ class ModelRunner:
             samples,
         )
 
-    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request]) -> None:
+    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request], q_len: int) -> None:
         bs = self.block_size
-        lens = np.array([r.num_computed_tokens + 1 for r in reqs])
+        starts = np.array([r.num_computed_tokens for r in reqs])
+        lens = starts + q_len
         L = int(lens.max())
         nb = -(-L // bs)
         tables = np.zeros((len(reqs), nb), dtype=np.int64)
@@ -112,15 +127,17 @@ class ModelRunner:
             tables[i, : len(r.block_ids[:nb])] = r.block_ids[:nb]
         pos = np.arange(L)
         slots = tables[:, pos // bs] * bs + pos % bs
-        meta.num_decode_tokens = len(reqs)
+        meta.num_decode_tokens = len(reqs) * q_len
         meta.decode_batch = len(reqs)
-        meta.decode_q_len = 1
+        meta.decode_q_len = q_len
         meta.decode_ctx = L
         meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
-        if (lens != L).any():
-            pad = pos[None, :] >= lens[:, None]
-            mask = torch.zeros(len(reqs), 1, 1, L, dtype=self.dtype)
-            mask.masked_fill_(torch.from_numpy(pad).view(len(reqs), 1, 1, L), float("-inf"))
+        if q_len > 1 or (lens != L).any():
+            # query j of sequence b sits at starts[b] + j and sees positions up to there
+            visible = starts[:, None] + np.arange(q_len)[None, :]
+            hidden = pos[None, None, :] > visible[:, :, None]  # [B, Q, L]
+            mask = torch.zeros(len(reqs), q_len, 1, L, dtype=self.dtype)
+            mask.masked_fill_(torch.from_numpy(hidden).unsqueeze(2), float("-inf"))
             meta.decode_mask = mask.to(self.device)
 
     @torch.inference_mode()

@@ -59,10 +59,11 @@ class DecodeStack {
     layers.push_back(l);
   }
 
-  // x: [B, hidden] float32; cos/sin_signed: [B, 1, D]; slots: [B*L]; mask: [B, 1, 1, L] or none.
+  // x: [B*Q, hidden] float32 (Q tokens per sequence: 1, or a speculative verification);
+  // cos/sin_signed: [B*Q, 1, D]; slots: [B*L]; mask: [B, Q, 1, L] additive, or none.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor decode_slots, int64_t L, c10::optional<torch::Tensor> mask) {
-    const int64_t B = x.size(0), G = H / Hkv, half = D / 2;
+                        torch::Tensor decode_slots, int64_t L, int64_t Q, c10::optional<torch::Tensor> mask) {
+    const int64_t T = x.size(0), B = T / Q, G = H / Hkv, half = D / 2;
     const int64_t q_size = H * D, kv_size = Hkv * D;
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     auto rope = [&](const torch::Tensor& t) {
@@ -72,22 +73,23 @@ class DecodeStack {
       auto qkv = l.qkv(at::rms_norm(x, {x.size(1)}, l.input_norm, eps));
       torch::Tensor q, k;
       if (!l.q_norm.defined()) {
-        auto qk = rope(qkv.narrow(1, 0, q_size + kv_size).view({B, H + Hkv, D}));
+        auto qk = rope(qkv.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D}));
         q = qk.narrow(1, 0, H);
         k = qk.narrow(1, H, Hkv);
       } else {
-        q = rope(at::rms_norm(qkv.narrow(1, 0, q_size).view({B, H, D}), {D}, l.q_norm, eps));
-        k = rope(at::rms_norm(qkv.narrow(1, q_size, kv_size).view({B, Hkv, D}), {D}, l.k_norm, eps));
+        q = rope(at::rms_norm(qkv.narrow(1, 0, q_size).view({T, H, D}), {D}, l.q_norm, eps));
+        k = rope(at::rms_norm(qkv.narrow(1, q_size, kv_size).view({T, Hkv, D}), {D}, l.k_norm, eps));
       }
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, Hkv, D});
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
       l.kv_cache.select(0, 0).index_copy_(1, slot_mapping, k.transpose(0, 1));
       l.kv_cache.select(0, 1).index_copy_(1, slot_mapping, v.transpose(0, 1));
       auto kv = l.kv_cache.index_select(2, decode_slots).view({2, Hkv, B, L, D});
-      auto qg = q.reshape({B, Hkv, G, D}).transpose(0, 1);  // [Hkv, B, G, D]
-      auto scores = at::matmul(qg, kv.select(0, 0).transpose(-1, -2));
-      if (mask) scores.add_(mask->view({B, 1, L}));  // broadcasts over [Hkv, B, G, L]
+      // one matmul batch entry per (kv head, sequence): [Hkv, B, Q*G, D]
+      auto qg = q.reshape({B, Q, Hkv, G, D}).permute({2, 0, 1, 3, 4}).reshape({Hkv, B, Q * G, D});
+      auto scores = at::matmul(qg, kv.select(0, 0).transpose(-1, -2));  // [Hkv, B, Q*G, L]
+      if (mask) scores = scores.view({Hkv, B, Q, G, L}).add_(mask->view({1, B, Q, 1, L})).view({Hkv, B, Q * G, L});
       auto probs = at::softmax(scores * scale, -1);
-      auto attn = at::matmul(probs, kv.select(0, 1)).transpose(0, 1).reshape({B, H * D});
+      auto attn = at::matmul(probs, kv.select(0, 1)).view({Hkv, B, Q, G, D}).permute({1, 2, 0, 3, 4}).reshape({T, H * D});
       x = x + l.o(attn);
       auto gu = l.gate_up(at::rms_norm(x, {x.size(1)}, l.post_norm, eps));
       x = x + l.down(at::silu(gu.narrow(1, 0, F)) * gu.narrow(1, F, F));

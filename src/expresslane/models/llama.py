@@ -101,9 +101,16 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         fast = self.decode_stack is not None and meta.num_decode_tokens == x.shape[0]
-        if fast and x.shape[0] <= Linear.SMALL_BATCH and meta.decode_q_len == 1:
+        if fast and x.shape[0] <= Linear.SMALL_BATCH:
             x = self.decode_stack.forward(
-                x, cos, sin, meta.slot_mapping, meta.decode_slots, meta.decode_ctx, meta.decode_mask
+                x,
+                cos,
+                sin,
+                meta.slot_mapping,
+                meta.decode_slots,
+                meta.decode_ctx,
+                meta.decode_q_len,
+                meta.decode_mask,
             )
         else:
             for layer in self.layers:

@@ -14,9 +14,11 @@ from expresslane.spec.ngram import NgramProposer
 from expresslane.spec.proposal import Proposal
 
 # Running batch above which speculation stops paying (verification makes every sequence k+1
-# tokens wide): past the small-batch kernels on CPU, past the memory-bound region on a GPU.
-# The ultrafast lane speculates at any batch.
-DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 32}
+# tokens wide). CPU: measured with n-gram lookup on the demo model (benchmarks/spec.py), 1.13x
+# at batch 2 but 0.71x at batch 4, where the verification rows outgrow the small-batch
+# kernels. CUDA: the memory-bound region (not measured here yet). The ultrafast lane
+# speculates at any batch.
+DEFAULT_MAX_BATCH = {"cpu": 2, "cuda": 32}
 
 
 class Proposer(Protocol):
