@@ -88,7 +88,8 @@ def test_ultrafast_runs_first_and_each_lane_keeps_its_batch_limit(llama_dir, sol
 
 
 def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir, solo):
-    engine = _engine(llama_dir, num_kv_blocks=512, lanes={"ultrafast": {"max_batch": 1}})
+    lanes = {"ultrafast": {"max_batch": 1, "speculative": False}}  # one token per step
+    engine = _engine(llama_dir, num_kv_blocks=512, lanes=lanes)
     model = engine.step_model
     model.refit_every = 10**9  # keep the hand-set costs below
     model.set_costs([0.0105, 0.001, 0.0, 0.0])  # 10.5 ms + 1 ms per sequence

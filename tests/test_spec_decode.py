@@ -25,7 +25,9 @@ def test_greedy_outputs_identical_with_ngram_speculation(llama_dir, batch):
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     plain = LLM(str(llama_dir), dtype="float32").generate(prompts, params)
     spec_llm = LLM(
-        str(llama_dir), dtype="float32", speculative={"method": "ngram", "num_tokens": 4}
+        str(llama_dir),
+        dtype="float32",
+        speculative={"method": "ngram", "num_tokens": 4, "max_batch": None},
     )
     spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
