@@ -19,21 +19,23 @@ Recipe
    ``decode(skip_special_tokens=True)``, as in Qwen2.5). The chat template is ChatML with
    Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``).
 3. Training mix, rebuilt for every epoch with a seed derived from ``--seed`` and the epoch:
-   (a) plain code (about 55% of tokens): the train files, shuffled, each followed by
-   ``<|endoftext|>``; (b) instructions (about 15%): functions with docstrings extracted with
-   ``ast``; the user asks for ``name(args)`` described by the docstring's first paragraph (varied
-   phrasings), the assistant answers with the function source in a single ```python block;
-   (c) agent tool use (about 30%): conversations of 1-3 requests; the tools ``read_file``,
+   (a) plain code (about 45% of tokens): the train files, shuffled, each followed by
+   ``<|endoftext|>``; (b) whole functions (about 15%): functions and methods with docstrings,
+   dedented, each its own document ending in ``<|endoftext|>`` (teaches where a function ends);
+   (c) instructions (about 12%): the same functions; the user asks for ``name(args)`` described
+   by the docstring's first paragraph (varied phrasings), the assistant answers with the function
+   source in a single ```python block; (d) agent tool use (about 28%): conversations of 1-3
+   requests; the tools ``read_file``,
    ``run_tests``, ``write_file`` and ``list_dir`` are offered; the user asks to read / explain /
    test / fix a real train file or to list a folder; the assistant calls the right tool, a
-   ``tool`` message returns a realistic result (an excerpt of the real file, a real folder
+   ``tool`` message returns a realistic result (a short excerpt of the real file, a real folder
    listing, a pytest-like summary) and the assistant gives a short grounded answer. All
    documents are shuffled together, concatenated and cut into
    windows of 1024 tokens (+1 for the shifted labels). Loss on every token.
 4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
    2048 positions, trained at sequence length 1024 (precision: see 5.), AdamW (0.9, 0.95, wd 0.1),
    linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
-   target: d=384, 6 layers, 6 heads (2 KV heads), MLP 1024 (12.6M parameters).
+   target: d=384, 4 layers, 6 heads (2 KV heads), MLP 1152 (10.0M parameters).
    draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
 5. Budget. Unless ``--target-steps`` / ``--draft-steps`` (or a recorded ``--*-plan``) are given,
    the step count is planned from a wall-time budget: the warmup steps (whose learning rates do
@@ -53,7 +55,7 @@ Recipe
 
 Usage::
 
-    python scripts/train_demo_model.py                      # full run, about 95 min on 2 cores
+    python scripts/train_demo_model.py                      # full run, about 62 min on 2 cores
     python scripts/train_demo_model.py --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
     python scripts/train_demo_model.py --target-steps N --draft-steps M    # fixed step counts
     python scripts/train_demo_model.py --device cuda --target-steps N --draft-steps M  # on a GPU
@@ -89,15 +91,15 @@ SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-MIX = {"code": 0.55, "instruct": 0.15, "tool": 0.30}  # share of training tokens
+MIX = {"code": 0.45, "function": 0.15, "instruct": 0.12, "tool": 0.28}  # share of training tokens
 
 MODEL_SHAPES = {
     "target": dict(
         hidden_size=384,
-        num_hidden_layers=6,
+        num_hidden_layers=4,
         num_attention_heads=6,
         num_key_value_heads=2,
-        intermediate_size=1024,
+        intermediate_size=1152,
     ),
     "draft": dict(
         hidden_size=128,
@@ -108,7 +110,7 @@ MODEL_SHAPES = {
     ),
 }
 TRAIN_DEFAULTS = {  # peak lr, warmup steps, batch (sequences of SEQ_LEN tokens)
-    "target": dict(lr=1.5e-3, warmup=60, batch=2),
+    "target": dict(lr=2e-3, warmup=60, batch=2),
     "draft": dict(lr=3e-3, warmup=30, batch=4),
 }
 
@@ -564,12 +566,16 @@ class ExampleFactory:
             return [{"role": "system", "content": DEFAULT_SYSTEM}] + messages, None
         return messages, None
 
+    # (b') whole functions as their own documents --------------------------------------------
+    def function(self, rng: random.Random) -> str:
+        return rng.choice(self.functions)["source"] + "\n"
+
     # (c) tool use ---------------------------------------------------------------------------
     def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
         lines = self.sources[rel].splitlines()
-        n = rng.randint(6, 18)
+        n = rng.randint(4, 12)
         text = "\n".join(lines[start : start + n])
-        while len(text) > 900 and n > 3:
+        while len(text) > 600 and n > 3:
             n -= 3
             text = "\n".join(lines[start : start + n])
         end = start + n
@@ -811,10 +817,10 @@ class Data:
     def render(self, messages, tools) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
 
-    def _examples(self, rng: random.Random, make, budget: int) -> list[list[int]]:
+    def _examples(self, rng, make, budget: int, chat: bool = True) -> list[list[int]]:
         out, total = [], 0
         while total < budget:
-            texts = [self.render(*make(rng)) for _ in range(64)]
+            texts = [self.render(*make(rng)) if chat else make(rng) for _ in range(64)]
             for e in self.tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
                 out.append(e.ids)
                 total += len(e.ids) + 1
@@ -839,6 +845,12 @@ class Data:
             docs += [
                 ("instruct", ids)
                 for ids in self._examples(rng, self.factory.instruct, int(unit * MIX["instruct"]))
+            ]
+            docs += [
+                ("function", ids)
+                for ids in self._examples(
+                    rng, self.factory.function, int(unit * MIX["function"]), chat=False
+                )
             ]
             docs += [
                 ("tool", ids)
@@ -1136,7 +1148,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target-minutes",
         type=float,
         default=None,
-        help="time budget used to plan the target's steps (default 80; 0.5 with --smoke)",
+        help="time budget used to plan the target's steps (default 48; 0.5 with --smoke)",
     )
     ap.add_argument("--draft-minutes", type=float, default=None, help="default 12; 0.15 smoke")
     ap.add_argument(
@@ -1176,7 +1188,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     smoke = args.smoke
     for key, full, tiny in (
-        ("target_minutes", 80.0, 0.5),
+        ("target_minutes", 48.0, 0.5),
         ("draft_minutes", 12.0, 0.15),
         ("replan_minutes", 5.0, 0.1),
     ):
