@@ -78,6 +78,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         greedy = [r.params.greedy for r in requests]
         active = list(range(len(requests)))
+        index = {id(s): i for i, s in enumerate(shadows)}
         while active:
             items = []
             for i in active:
@@ -86,7 +87,6 @@ class DraftModelProposer:
                     items.append((s, s.num_tokens - s.num_computed_tokens))
             if not items:
                 break
-            index = {id(s): i for i, s in enumerate(shadows)}
             input_ids, positions, meta, rows, samples = self.runner.prepare(items)
             logits = self.model(input_ids, positions, meta, rows)
             order = [index[id(s)] for s, _ in samples]
