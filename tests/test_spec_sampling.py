@@ -37,19 +37,24 @@ def _spec(draft_dir, k=4):
     return {"method": "draft", "model": str(draft_dir), "num_tokens": k, "max_batch": None}
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
 @pytest.mark.parametrize("max_batch", [1, 8])
-def test_greedy_outputs_identical_with_a_draft_model(llama_dir, draft_dir, max_batch):
-    prompts = random_prompts(100, 4, 40, seed=41)
+def test_greedy_outputs_identical_on_100_prompts(llama_dir, draft_dir, method, max_batch):
+    prompts = [p + p[:8] for p in random_prompts(100, 4, 32, seed=41)]  # n-grams to look up
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     opts = dict(dtype="float32", max_batch=max_batch)
     plain = LLM(str(llama_dir), **opts).generate(prompts, params)
-    llm = LLM(str(llama_dir), speculative=_spec(draft_dir), **opts)
-    spec = llm.generate(prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    spec = _spec(draft_dir)
+    if method == "ngram":
+        spec = {"method": "ngram", "num_tokens": 4, "max_batch": None}
+    llm = LLM(str(llama_dir), speculative=spec, **opts)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = llm.engine.spec_stats
     assert 0 < stats.accepted < stats.proposed  # some guesses kept, some rolled back
-    draft = llm.engine.proposers[1].proposer
-    assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
+    if method == "draft":
+        draft = llm.engine.proposers[1].proposer
+        assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 

@@ -16,6 +16,8 @@
 #include <array>
 #include <cmath>
 
+#include "common.h"
+
 namespace {
 
 alignas(16) const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -34,12 +36,7 @@ const float* scale_table(int64_t kind) {
   return tables[kind].data();
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
+using expresslane::hsum;
 
 // 16 codes (8 bytes) -> 16 int8 values, element order preserved.
 inline __m128i expand16(const uint8_t* p, __m128i lut, __m128i low4) {
@@ -91,8 +88,7 @@ void gemv(const float* x, const uint8_t* codes, const uint8_t* scales, const flo
 template <int BS>
 void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
          const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
+  expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
     const float* xp = x + m0 * K;
     float* yp = y + m0 * N;
     switch (mb) {
@@ -101,7 +97,7 @@ void run(const float* x, const uint8_t* codes, const uint8_t* scales, const floa
       case 3: gemv<3, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
       default: gemv<4, BS>(xp, codes, scales, row_scales, table, yp, K, N, bias); break;
     }
-  }
+  });
 }
 
 }  // namespace
@@ -119,12 +115,8 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   codes = codes.contiguous();
   scales = scales.contiguous();
   auto y = torch::empty({M, N}, x.options());
-  const float* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->to(torch::kFloat32).contiguous();
-    b = bias_c.data_ptr<float>();
-  }
+  torch::Tensor bias_holder;
+  const float* b = expresslane::float_bias(bias, bias_holder);
   const float* table = scale_table(scale_kind);
   auto* run_fn = block == 16 ? &run<16> : &run<32>;
   run_fn(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scales.data_ptr<float>(),

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "common.h"
+
 namespace {
 
 inline __m256 load_bf16x8(const at::BFloat16* p) {
@@ -16,12 +18,7 @@ inline __m256 load_bf16x8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
+using expresslane::hsum;
 
 inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -69,15 +66,10 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   w = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const float* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->to(torch::kFloat32).contiguous();
-    b = bias_c.data_ptr<float>();
-  }
+  torch::Tensor bias_holder;
+  const float* b = expresslane::float_bias(bias, bias_holder);
   const auto* wp = w.data_ptr<at::BFloat16>();
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
+  expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
     const float* xp = x.data_ptr<float>() + m0 * K;
     float* yp = y.data_ptr<float>() + m0 * N;
     switch (mb) {
@@ -86,7 +78,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
       case 3: gemv<3>(xp, wp, yp, K, N, b); break;
       default: gemv<4>(xp, wp, yp, K, N, b); break;
     }
-  }
+  });
   return y;
 }
 

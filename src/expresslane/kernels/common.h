@@ -1,0 +1,28 @@
+// Helpers shared by the small-batch linear kernels.
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+
+namespace expresslane {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// The bias as float32 (kept alive in `holder`), or nullptr.
+inline const float* float_bias(const c10::optional<torch::Tensor>& bias, torch::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  holder = bias->to(torch::kFloat32).contiguous();
+  return holder.data_ptr<float>();
+}
+
+// Calls gemv<mb>(x rows m0.., y rows m0..) for row blocks of at most 4 (the register budget).
+template <typename Fn>
+inline void for_row_blocks(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) fn(m0, std::min<int64_t>(4, M - m0));
+}
+
+}  // namespace expresslane
