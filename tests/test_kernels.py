@@ -38,23 +38,38 @@ def test_linear_uses_the_kernel_for_small_batches_only():
         torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
 
 
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the integer path computes with: x rounded to int8 per 32 values (amax / 127)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0))
+    return (q * scale).view_as(x)
+
+
 @needs_kernels
-@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+# K a multiple of 32: the integer path; NVFP4 with K = 80 (five 16-blocks): the float path
+@pytest.mark.parametrize(("fmt_name", "k"), [("nvfp4", 192), ("mxfp4", 192), ("nvfp4", 80)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, m, bias):
+def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, k, m, bias):
     from expresslane.quant.formats import FORMATS, quantize
     from expresslane.quant.linear import Fp4Linear, Fp4Weight
 
-    g = torch.Generator().manual_seed(m)
     fmt = FORMATS[fmt_name]
-    parts = [quantize(torch.randn(n, 192, generator=g) * 0.05, fmt) for n in (64, 32, 32)]
+    g = torch.Generator().manual_seed(m)
+    parts = [quantize(torch.randn(n, k, generator=g) * 0.05, fmt) for n in (64, 32, 32)]
     weight = Fp4Weight.cat([Fp4Weight.from_tensor(p) for p in parts])  # per-row tensor scales
     b = torch.randn(128, generator=g) if bias else None
     layer = Fp4Linear(weight, b)
     layer.prepare_cpu(torch.float32)
     assert layer.kernel_weights() is not None
-    x = torch.randn(m, 192, generator=g)
-    ref = F.linear(x, weight.dequantize(), b)
-    torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(layer.reference(x), ref)
+    x = torch.randn(m, k, generator=g)
+    w = weight.dequantize()
+    torch.testing.assert_close(layer.reference(x), F.linear(x, w, b))
+    if k % 32 == 0:
+        ref = F.linear(_int8_activations(x), w, b)
+        torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
+        exact = F.linear(x, w, b)  # and the activation rounding costs little
+        assert ((layer(x) - exact).norm() / exact.norm()) < 0.01
+    else:
+        torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
