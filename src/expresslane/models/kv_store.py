@@ -6,7 +6,7 @@ slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute 
 
 - `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
 - `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
-  (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (49% less at D = 64).
+  (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (48% less at D = 64).
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
   NVFP4's block layout without the tensor scale: D/2 + D/16 bytes (72% less than bf16).
 
