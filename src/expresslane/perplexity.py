@@ -52,9 +52,8 @@ def perplexity(
     holder = Request("perplexity", [0], SamplingParams(), max_tokens=1)
     if not engine.kv.allocate(holder, window):
         raise InvalidRequestError("the KV cache has no room for a scoring window")
-    bs = engine.kv.block_size
+    slots = torch.from_numpy(engine.runner.slots(holder, 0, window)).to(engine.device)
     pos = torch.arange(window)
-    slots = (torch.tensor(holder.block_ids)[pos // bs] * bs + pos % bs).to(engine.device)
     nll, count = 0.0, 0
     try:
         for start in range(0, len(ids) - 1, window):

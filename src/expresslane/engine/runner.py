@@ -65,7 +65,8 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(device, seed)
 
-    def _slots(self, req: Request, start: int, end: int) -> np.ndarray:
+    def slots(self, req: Request, start: int, end: int) -> np.ndarray:
+        """KV cache slots of positions start..end-1 of `req`, from its block table."""
         pos = np.arange(start, end)
         table = np.asarray(req.block_ids, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -91,11 +92,11 @@ class ModelRunner:
             ids.extend(tokens)
             ids.extend(req.draft_ids[: n - len(tokens)])
             positions.append(np.arange(start, end))
-            slot_parts.append(self._slots(req, start, end))
+            slot_parts.append(self.slots(req, start, end))
             if n > 1 and id(req) not in uniform:
                 ctx = None
                 if start > 0:  # attends to a cached prefix: read it from the paged cache
-                    ctx = torch.from_numpy(self._slots(req, 0, end)).to(self.device)
+                    ctx = torch.from_numpy(self.slots(req, 0, end)).to(self.device)
                 prefills.append(PrefillChunk(row0, n, end, ctx))
             if end >= req.num_tokens:  # reaches the last known token: sample from there on
                 first = row0 + (req.num_tokens - 1 - start)

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from expresslane.quant.formats import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode
+from expresslane.quant.formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp4")
 
@@ -99,13 +106,12 @@ class Fp4KV:
         s = scale.float().unsqueeze(-1)
         codes = e2m1_encode(torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0))
         codes = codes.reshape(two, hkv, t, d)
-        self.codes.index_copy_(2, slots, codes[..., 0::2] | (codes[..., 1::2] << 4))
+        self.codes.index_copy_(2, slots, pack_nibbles(codes))
         self.scales.index_copy_(2, slots, scale.view(torch.uint8))
 
     def read(self, slots) -> torch.Tensor:
         packed = self.codes.index_select(2, slots)
-        codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-        values = e2m1_decode(codes)
+        values = e2m1_decode(unpack_nibbles(packed))
         two, hkv, n, d = values.shape
         scales = self.scales.index_select(2, slots).view(torch.float8_e4m3fn).float()
         out = values.view(two, hkv, n, d // self.BLOCK, self.BLOCK) * scales.unsqueeze(-1)

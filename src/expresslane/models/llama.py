@@ -133,7 +133,7 @@ def build_decode_stack(model: LlamaModel):
 
     fp4 = [m for m in linears if hasattr(m, "fmt")]
     block = fp4[0].fmt.block_size if fp4 else 0
-    kind = int(fp4[0].fmt.scale_dtype == "e4m3") if fp4 else 0
+    kind = fp4[0].fmt.kernel_scale_kind if fp4 else 0
     cfg = model.cfg
     stack = cpu_kernels().DecodeStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps

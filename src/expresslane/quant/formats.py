@@ -58,6 +58,11 @@ class Fp4Format:
     def bits_per_value(self) -> float:
         return 4 + 8 / self.block_size
 
+    @property
+    def kernel_scale_kind(self) -> int:
+        """How the C++ kernels read a scale byte: 0 = E8M0, 1 = E4M3."""
+        return int(self.scale_dtype == "e4m3")
+
 
 MXFP4 = Fp4Format("mxfp4", 32, "e8m0", tensor_scale=False)
 NVFP4 = Fp4Format("nvfp4", 16, "e4m3", tensor_scale=True)

@@ -88,9 +88,15 @@ class Fp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.shape[0] <= self.SMALL_BATCH:
-            kind = int(self.fmt.scale_dtype == "e4m3")
+            fmt = self.fmt
             return self._kernel(
-                x, self.packed, self.scales, self.row_scales, self.bias, self.fmt.block_size, kind
+                x,
+                self.packed,
+                self.scales,
+                self.row_scales,
+                self.bias,
+                fmt.block_size,
+                fmt.kernel_scale_kind,
             )
         return self.reference(x)
 
