@@ -91,7 +91,7 @@ SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-MIX = {"code": 0.45, "function": 0.15, "instruct": 0.12, "tool": 0.28}  # share of training tokens
+MIX = {"code": 0.35, "function": 0.22, "instruct": 0.13, "tool": 0.30}  # share of training tokens
 
 MODEL_SHAPES = {
     "target": dict(
@@ -655,9 +655,9 @@ class ExampleFactory:
         return "\n".join(lines), answer, failed
 
     def tool_use(self, rng: random.Random) -> tuple[list[dict], list[dict]]:
-        """One agent conversation: 1-3 user requests, each served through tool calls."""
+        """One agent conversation: 1-2 user requests, each served through tool calls."""
         msgs = self.system(rng)
-        for _ in range(rng.choice([1, 1, 2, 2, 3])):
+        for _ in range(rng.choice([1, 1, 1, 2])):
             self.exchange(rng, msgs)
         return msgs, self.tools_for(rng)
 
@@ -1148,9 +1148,9 @@ def main(argv: list[str] | None = None) -> None:
         "--target-minutes",
         type=float,
         default=None,
-        help="time budget used to plan the target's steps (default 48; 0.5 with --smoke)",
+        help="time budget used to plan the target's steps (default 50; 0.5 with --smoke)",
     )
-    ap.add_argument("--draft-minutes", type=float, default=None, help="default 12; 0.15 smoke")
+    ap.add_argument("--draft-minutes", type=float, default=None, help="default 9; 0.15 smoke")
     ap.add_argument(
         "--target-steps",
         type=int,
@@ -1188,8 +1188,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     smoke = args.smoke
     for key, full, tiny in (
-        ("target_minutes", 48.0, 0.5),
-        ("draft_minutes", 12.0, 0.15),
+        ("target_minutes", 50.0, 0.5),
+        ("draft_minutes", 9.0, 0.15),
         ("replan_minutes", 5.0, 0.1),
     ):
         if getattr(args, key) is None:

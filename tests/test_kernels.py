@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,3 +74,53 @@ def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, k, m, bias):
         assert ((layer(x) - exact).norm() / exact.norm()) < 0.01
     else:
         torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
+@pytest.mark.parametrize("q_len", [1, 3])  # decode, speculative verification
+def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len):
+    """The C++ decode step (fused norms, RoPE and paged attention) against the Python layers,
+    at the tensor level: sequences of different lengths in one padded batch."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from expresslane import LLM
+    from expresslane.models.attention import AttentionMetadata
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path)  # bf16 weights: the kernels' format
+    engine = LLM(str(tmp_path)).engine
+    model, runner = engine.model, engine.runner
+    assert model.decode_stack is not None
+    assert runner.block_size * 10 * 3 <= runner.kv_caches[0].tensor.shape[2]
+    g = torch.Generator().manual_seed(q_len)
+    for cache in runner.kv_caches:  # a cache full of earlier tokens' keys and values
+        cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=g))
+    seqs = [
+        SimpleNamespace(num_computed_tokens=n, block_ids=[10 * i + j for j in range(10)])
+        for i, n in enumerate([5, 37, 18])
+    ]
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+    runner._decode_metadata(meta, seqs, q_len)
+    positions = torch.tensor([s.num_computed_tokens + j for s in seqs for j in range(q_len)])
+    new = [runner.slots(s, s.num_computed_tokens, s.num_computed_tokens + q_len) for s in seqs]
+    meta.slot_mapping = torch.from_numpy(np.concatenate(new))
+    x = torch.randn(len(seqs) * q_len, model.cfg.hidden_size, generator=g)
+    cos, sin = model.rotary.tables(positions)
+    ref = x
+    with torch.inference_mode():
+        for layer in model.layers:
+            ref = layer(ref, cos, sin, meta)
+        out = model.decode_stack.forward(
+            x,
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.decode_slots,
+            meta.decode_ctx,
+            q_len,
+            meta.decode_starts,
+        )
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)

@@ -133,6 +133,7 @@ class ModelRunner:
         meta.decode_q_len = q_len
         meta.decode_ctx = L
         meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
+        meta.decode_starts = torch.from_numpy(starts).to(self.device)
         if q_len > 1 or (lens != L).any():
             # query j of sequence b sits at starts[b] + j and sees positions up to there
             visible = starts[:, None] + np.arange(q_len)[None, :]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
+        # torch rebuilds when a listed source changes, not a header: name the build by all files
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*"))))
         return load(
-            name="expresslane_cpu_kernels",
+            name=f"expresslane_cpu_kernels_{digest.hexdigest()[:12]}",
             sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -1,15 +1,24 @@
-// The batch-of-single-tokens decode step of the Llama-family model as one C++ call.
+// The decode step of the Llama-family model (a batch of sequences with Q new tokens each) as
+// one C++ call.
 //
-// At decode batch sizes a layer is ~45 small tensor operations; issued from Python each one
-// pays interpreter and binding overhead that adds up to several milliseconds per step for a
-// 30-layer model, as much as streaming the weights. This replays exactly the operations of
-// expresslane.models.llama.DecoderLayer + PagedAttention._decode (float32 activations, bf16 or
-// FP4 linear weights through the AVX2 kernels of gemv_cpu.cpp / fp4_cpu.cpp) without going
-// back to Python.
-// The Python code is the reference it is tested against.
+// At decode batch sizes a layer is ~45 small tensor operations; issued from Python, or as ATen
+// ops from here, each pays dispatch and allocation overhead that adds up to several
+// milliseconds per step for a 30-layer model, as much as streaming the weights. This computes
+// what expresslane.models.llama.DecoderLayer + PagedAttention._decode compute (float32
+// activations and KV cache) with the linear layers in the AVX2 kernels of gemv_cpu.cpp /
+// fp4_cpu.cpp and everything else as plain loops (decode_ops.h): attention reads the paged
+// cache in place instead of gathering it. The Python code is the reference it is tested
+// against (tests/test_kernels.py).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
+
+#include "decode_ops.h"
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
@@ -28,6 +37,8 @@ struct Linear {
   }
 };
 
+namespace ops = expresslane::ops;
+
 struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms undefined unless Qwen3
   Linear qkv, o, gate_up, down;
@@ -39,20 +50,27 @@ struct Layer {
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps)
-      : H(num_heads), Hkv(num_kv_heads), D(head_dim), F(ffn), eps(eps) {}
+      : H(num_heads), Hkv(num_kv_heads), D(head_dim), F(ffn), eps(static_cast<float>(eps)) {
+    TORCH_CHECK(D % 8 == 0 && F % 8 == 0 && H % Hkv == 0, "head_dim and ffn multiples of 8, GQA groups");
+  }
 
   // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
-  // fp4_block / fp4_scale_kind describe the FP4 ones.
+  // fp4_block / fp4_scale_kind describe the FP4 ones. kv_cache: float32 [2, Hkv, slots, D].
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
                  c10::optional<torch::Tensor> qkv_bias, torch::Tensor kv_cache, int64_t fp4_block,
                  int64_t fp4_scale_kind) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
+    TORCH_CHECK(kv_cache.dtype() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 4 &&
+                    kv_cache.size(0) == 2 && kv_cache.size(1) == Hkv && kv_cache.size(3) == D,
+                "kv_cache: contiguous float32 [2, Hkv, slots, D]");
+    TORCH_CHECK(input_norm.numel() % 8 == 0, "hidden size a multiple of 8");
+    auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32).contiguous(); };
     Layer l;
-    l.input_norm = input_norm;
-    l.post_norm = post_norm;
-    if (q_norm) l.q_norm = *q_norm;
-    if (k_norm) l.k_norm = *k_norm;
+    l.input_norm = f32(input_norm);
+    l.post_norm = f32(post_norm);
+    if (q_norm) l.q_norm = f32(*q_norm);
+    if (k_norm) l.k_norm = f32(*k_norm);
     Linear* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (int i = 0; i < 4; ++i) *dst[i] = {linears[i], i == 0 ? qkv_bias : c10::nullopt, fp4_block, fp4_scale_kind};
     l.kv_cache = kv_cache;
@@ -60,46 +78,115 @@ class DecodeStack {
   }
 
   // x: [B*Q, hidden] float32 (Q tokens per sequence: 1, or a speculative verification);
-  // cos/sin_signed: [B*Q, 1, D]; slots: [B*L]; mask: [B, Q, 1, L] additive, or none.
+  // cos/sin_signed: [B*Q, 1, D]; slot_mapping: [B*Q] where each token's K/V goes;
+  // decode_slots: [B*L] the slots of positions 0..L-1 of each sequence (padded);
+  // starts: [B] tokens already cached per sequence: query j of sequence b sees positions
+  // 0..starts[b]+j.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor decode_slots, int64_t L, int64_t Q, c10::optional<torch::Tensor> mask) {
-    const int64_t T = x.size(0), B = T / Q, G = H / Hkv, half = D / 2;
-    const int64_t q_size = H * D, kv_size = Hkv * D;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    auto rope = [&](const torch::Tensor& t) {
-      return at::addcmul(t * cos, at::roll(t, {half}, {-1}), sin);
-    };
+                        torch::Tensor decode_slots, int64_t L, int64_t Q, torch::Tensor starts) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32, "float32 activations");
+    const int64_t T = x.size(0), B = T / Q, hidden = x.size(1);
+    TORCH_CHECK(T == B * Q && starts.numel() == B && decode_slots.numel() == B * L, "batch shapes");
+    x = x.contiguous().clone();
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    auto slots_out = slot_mapping.to(torch::kInt64).contiguous();
+    auto slots_in = decode_slots.to(torch::kInt64).contiguous();
+    auto seq_starts = starts.to(torch::kInt64).contiguous();
+    auto h = torch::empty({T, hidden}, x.options());
+    auto attn = torch::empty({T, H * D}, x.options());
+    auto act = torch::empty({T, F}, x.options());
+    float* xp = x.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
     for (const Layer& l : layers) {
-      auto qkv = l.qkv(at::rms_norm(x, {x.size(1)}, l.input_norm, eps));
-      torch::Tensor q, k;
-      if (!l.q_norm.defined()) {
-        auto qk = rope(qkv.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D}));
-        q = qk.narrow(1, 0, H);
-        k = qk.narrow(1, H, Hkv);
-      } else {
-        q = rope(at::rms_norm(qkv.narrow(1, 0, q_size).view({T, H, D}), {D}, l.q_norm, eps));
-        k = rope(at::rms_norm(qkv.narrow(1, q_size, kv_size).view({T, Hkv, D}), {D}, l.k_norm, eps));
-      }
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-      l.kv_cache.select(0, 0).index_copy_(1, slot_mapping, k.transpose(0, 1));
-      l.kv_cache.select(0, 1).index_copy_(1, slot_mapping, v.transpose(0, 1));
-      auto kv = l.kv_cache.index_select(2, decode_slots).view({2, Hkv, B, L, D});
-      // one matmul batch entry per (kv head, sequence): [Hkv, B, Q*G, D]
-      auto qg = q.reshape({B, Q, Hkv, G, D}).permute({2, 0, 1, 3, 4}).reshape({Hkv, B, Q * G, D});
-      auto scores = at::matmul(qg, kv.select(0, 0).transpose(-1, -2));  // [Hkv, B, Q*G, L]
-      if (mask) scores = scores.view({Hkv, B, Q, G, L}).add_(mask->view({1, B, Q, 1, L})).view({Hkv, B, Q * G, L});
-      auto probs = at::softmax(scores * scale, -1);
-      auto attn = at::matmul(probs, kv.select(0, 1)).view({Hkv, B, Q, G, D}).permute({1, 2, 0, 3, 4}).reshape({T, H * D});
-      x = x + l.o(attn);
-      auto gu = l.gate_up(at::rms_norm(x, {x.size(1)}, l.post_norm, eps));
-      x = x + l.down(at::silu(gu.narrow(1, 0, F)) * gu.narrow(1, F, F));
+      for (int64_t t = 0; t < T; ++t)
+        ops::rms_norm(xp + t * hidden, l.input_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
+      auto qkv = l.qkv(h);
+      prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
+      write_kv(l, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
+      attend(l, qkv.data_ptr<float>(), attn.data_ptr<float>(), B, Q, L, slots_in.data_ptr<int64_t>(),
+             seq_starts.data_ptr<int64_t>());
+      ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
+      for (int64_t t = 0; t < T; ++t)
+        ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
+      auto gu = l.gate_up(h);
+      const float* gup = gu.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) ops::silu_mul(gup + t * 2 * F, gup + t * 2 * F + F, actp + t * F, F);
+      ops::add_inplace(xp, l.down(act).data_ptr<float>(), T * hidden);
     }
     return x;
   }
 
  private:
+  int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
+
+  // q/k norms (Qwen3) and RoPE, in place on the fused projection's q and k heads.
+  void prepare_qk(const Layer& l, float* qkv, int64_t T, const float* cos, const float* sin) const {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t head = 0; head < H + Hkv; ++head) {
+        float* v = qkv + t * qkv_width() + head * D;
+        if (l.q_norm.defined())
+          ops::rms_norm(v, (head < H ? l.q_norm : l.k_norm).data_ptr<float>(), v, D, eps);
+        ops::rope(v, cos + t * D, sin + t * D, D);
+      }
+  }
+
+  void write_kv(const Layer& l, const float* qkv, int64_t T, const int64_t* slots) const {
+    float* cache = l.kv_cache.data_ptr<float>();
+    const int64_t S = l.kv_cache.size(2);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t kv = 0; kv < 2; ++kv)
+        for (int64_t h = 0; h < Hkv; ++h)
+          std::memcpy(cache + ((kv * Hkv + h) * S + slots[t]) * D, qkv + t * qkv_width() + (H + kv * Hkv + h) * D,
+                      D * sizeof(float));
+  }
+
+  // Attention of every (sequence, kv head) pair over the paged cache, read in place: the
+  // pair's Q*G query rows are scored against each key row once, then softmax, then one pass
+  // over the value rows.
+  void attend(const Layer& l, const float* qkv, float* out, int64_t B, int64_t Q, int64_t L, const int64_t* slots,
+              const int64_t* starts) const {
+    const float* keys = l.kv_cache.data_ptr<float>();
+    const int64_t S = l.kv_cache.size(2), G = H / Hkv, rows = Q * G;
+    const float* values = keys + Hkv * S * D;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const int64_t work = std::max<int64_t>(1, L * rows * D);
+    at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
+      std::vector<float> scores(rows * L), acc(rows * D);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / Hkv, h = p % Hkv;
+        const int64_t* seq = slots + b * L;
+        const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
+        const float* k = keys + h * S * D;
+        const float* v = values + h * S * D;
+        for (int64_t pos = 0; pos < seen; ++pos)
+          for (int64_t j = 0; j < Q; ++j)
+            for (int64_t g = 0; g < G; ++g) {
+              const float* q = qkv + (b * Q + j) * qkv_width() + (h * G + g) * D;
+              scores[(j * G + g) * L + pos] = ops::dot(q, k + seq[pos] * D, D) * scale;
+            }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * L;
+          const int64_t n = std::min(seen, starts[b] + r / G + 1);
+          const float m = *std::max_element(s, s + n);
+          float sum = 0.0f;
+          for (int64_t pos = 0; pos < n; ++pos) sum += (s[pos] = std::exp(s[pos] - m));
+          for (int64_t pos = 0; pos < n; ++pos) s[pos] /= sum;
+          std::fill(s + n, s + seen, 0.0f);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t pos = 0; pos < seen; ++pos)
+          for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v + seq[pos] * D, acc.data() + r * D, D);
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g)
+            std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));
+      }
+    });
+  }
+
   int64_t H, Hkv, D, F;
-  double eps;
+  float eps;
   std::vector<Layer> layers;
 };
 

@@ -38,6 +38,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [decode_batch * decode_ctx] flat, padded
     decode_ctx: int = 0  # padded context length of the decode batch
     decode_mask: torch.Tensor | None = None  # [decode_batch, q_len, 1, decode_ctx] additive
+    decode_starts: torch.Tensor | None = None  # [decode_batch] cached tokens before this step
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
                 meta.decode_slots,
                 meta.decode_ctx,
                 meta.decode_q_len,
-                meta.decode_mask,
+                meta.decode_starts,
             )
         else:
             for layer in self.layers:
@@ -129,12 +129,16 @@ def build_decode_stack(model: LlamaModel):
         return None
     if any(layer.attn.kv.tensor is None for layer in layers):
         return None  # compressed KV: the Python layers dequantize it
+    cfg = model.cfg
+    if layers[0].attn.kv.tensor.dtype != torch.float32 or any(
+        n % 8 for n in (cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+    ):
+        return None  # the native step computes in float32 over rows of multiples of 8
     from expresslane.kernels import cpu_kernels
 
     fp4 = [m for m in linears if hasattr(m, "fmt")]
     block = fp4[0].fmt.block_size if fp4 else 0
     kind = fp4[0].fmt.kernel_scale_kind if fp4 else 0
-    cfg = model.cfg
     stack = cpu_kernels().DecodeStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
     )
