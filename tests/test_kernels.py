@@ -77,6 +77,33 @@ def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, k, m, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+def test_fp4_kernel_decodes_every_block_scale(fmt_name):
+    """Rows and blocks spanning 2^-24..1 of the largest: NVFP4's E4M3 block scales reach the
+    subnormal range (decoded separately in the kernel), MXFP4's E8M0 exponents spread wide.
+    Each output feature is compared relative to its own magnitude."""
+    from expresslane.quant.formats import FORMATS, quantize
+    from expresslane.quant.linear import Fp4Linear, Fp4Weight
+
+    fmt = FORMATS[fmt_name]
+    g = torch.Generator().manual_seed(7)
+    nb = 256 // fmt.block_size
+    blocks = torch.randn(64, nb, fmt.block_size, generator=g)
+    blocks *= 2.0 ** -torch.randint(0, 4, (64, nb, 1), generator=g).float()
+    blocks *= 2.0 ** -torch.arange(64).float().view(64, 1, 1).remainder(25)  # whole rows
+    weight = Fp4Weight.from_tensor(quantize(blocks.view(64, 256), fmt))
+    s = weight.scales.int()
+    assert ((s > 0) & (s < 8)).any() if fmt_name == "nvfp4" else s.max() - s.min() > 24
+    layer = Fp4Linear(weight, None)
+    layer.prepare_cpu(torch.float32)
+    x = torch.randn(3, 256, generator=g)
+    ref = F.linear(_int8_activations(x), weight.dequantize())
+    out, size = layer(x), ref.abs().amax(0)
+    assert (out[:, size == 0] == 0).all()  # rows whose every block scale underflowed
+    assert ((out - ref).abs().amax(0)[size > 0] / size[size > 0]).max() < 1e-4
+
+
+@needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3])  # decode, speculative verification
 def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len):

@@ -79,62 +79,119 @@ inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scal
   for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + (bias ? bias[n] : 0.0f);
 }
 
-// The integer path, used when K is a multiple of 32: activations are quantized to int8 per
-// 32 values (scale amax/127, round to nearest) once per call, and each 32-weight group is a
-// byte-shuffle expansion plus one unsigned x signed byte dot product (vpmaddubsw, with the
-// weight's sign moved onto the activation), as llama.cpp does for Q4_0 x Q8_0. Its error
-// against the float path is the activation rounding, about 0.2% of a dot product.
+// The integer path, used when K is a multiple of 32, as llama.cpp does for Q4_0 x Q8_0:
+// activations are quantized to int8 per 32 values (scale amax/127, round to nearest) once
+// per call, and each 32-weight group is one byte shuffle plus one unsigned x signed byte dot
+// product (vpmaddubsw). Its error against the float path is the activation rounding, about
+// 0.2% of a dot product. Three layout choices keep a group at ~15 instructions:
+// - the shuffle table holds the doubled E2M1 values + 12 (0..24, unsigned, as vpmaddubsw
+//   wants); the + 12 comes back out as 12 x the activations' lane sums, precomputed per call;
+// - nibbles are not re-interleaved: a group expands to [even elements | odd elements], and the
+//   activations are stored in that order;
+// - a row's block scales are decoded eight at a time before its groups are visited.
+constexpr int kOffset = 12;
+alignas(16) const int8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// Quantized activations of one call: per row, values in expansion order, 12 x the sums of each
+// int32 lane's four values, and the per-32 scales.
+struct QuantizedX {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<int32_t> corr;  // [M, K/32, 8]
+  std::vector<float> scale;   // [M, K/32]
+};
+
+QuantizedX quantize_activations(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / 32;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<int32_t>(M * groups * 8), std::vector<float>(M * groups)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* v = x + m * K + 32 * j;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      out.scale[m * groups + j] = amax / 127.0f;
+      int8_t* q = out.q.data() + m * K + 32 * j;
+      for (int i = 0; i < 16; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(v[2 * i] * inv));
+        q[16 + i] = static_cast<int8_t>(std::nearbyint(v[2 * i + 1] * inv));
+      }
+      for (int lane = 0; lane < 8; ++lane)
+        out.corr[(m * groups + j) * 8 + lane] = kOffset * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
+    }
+  return out;
+}
+
+// Eight scale bytes -> eight floats, halved to undo the doubled E2M1 table. Block scales are
+// nonnegative. E4M3: normal values by moving the bits into place, subnormals (exponent 0,
+// value m / 512) by conversion. E8M0: 2^(e - 128), with e = 0 read as 0.
+inline __m256 decode_scales8(const uint8_t* p, int64_t kind) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (kind == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(1)), _mm256_set1_epi32(1)), 23));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(c, 20), _mm256_set1_epi32(119 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(1.0f / 1024.0f));
+  return _mm256_blendv_ps(subnormal, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+}
+
+void decode_row_scales(const uint8_t* scales, int64_t n, int64_t kind, const float* table, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, decode_scales8(scales + i, kind));
+  for (; i < n; ++i) out[i] = table[scales[i]];
+}
+
+// Rows m0.. of a QuantizedX.
+struct XRows {
+  const int8_t* q;
+  const int32_t* corr;
+  const float* scale;
+};
+
 template <int M, int BS>
-inline void row_kernel_i8(const int8_t* xq, const float* xs, const uint8_t* codes, const uint8_t* scales,
-                          const float* table, float row_scale, float* y, int64_t K, int64_t N, int64_t n,
+inline void row_kernel_i8(const XRows& xq, const uint8_t* codes, const uint8_t* scales, int64_t kind,
+                          const float* table, float* ws, float row_scale, float* y, int64_t K, int64_t N, int64_t n,
                           const float* bias) {
-  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Doubled));
+  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
   const __m256i lut = _mm256_set_m128i(lut128, lut128);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  // NVFP4: int32 lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
+  const __m256i pair = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+  const int64_t groups = K / 32;
+  decode_row_scales(scales, K / BS, kind, table, ws);
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t groups = K / 32;
   for (int64_t j = 0; j < groups; ++j) {
     const uint8_t* p = codes + 16 * j;
     _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i lo = _mm_and_si128(b, low4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-    const __m256i w = _mm256_shuffle_epi8(lut, idx);  // 32 doubled E2M1 values, in order
-    const __m256i w_abs = _mm256_sign_epi8(w, w);
-    // int32 lanes 0-3 sum elements 0-15, lanes 4-7 elements 16-31: one NVFP4 block each
-    const __m256 ws = BS == 16 ? _mm256_set_m128(_mm_set1_ps(table[scales[2 * j + 1]]), _mm_set1_ps(table[scales[2 * j]]))
-                               : _mm256_set1_ps(table[scales[j]]);
+    const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(hi, lo));  // [even | odd], + 12
+    const __m256 wscale =
+        BS == 16 ? _mm256_permutevar8x32_ps(
+                       _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * j)))), pair)
+                 : _mm256_broadcast_ss(ws + j);
     for (int m = 0; m < M; ++m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + 32 * j));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w)), ones);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(xs[m * groups + j])), acc[m]);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + m * K + 32 * j));
+      const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
+      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones), corr);
+      const __m256 s = _mm256_mul_ps(wscale, _mm256_broadcast_ss(xq.scale + m * groups + j));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + (bias ? bias[n] : 0.0f);
 }
 
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q, float* s) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < K / 32; ++j) {
-      const float* v = x + m * K + 32 * j;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      s[m * (K / 32) + j] = scale;
-      for (int i = 0; i < 32; ++i) q[m * K + 32 * j + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-    }
-}
-
 template <int M, int BS>
-void gemv_i8(const int8_t* xq, const float* xs, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
-             const float* table, float* y, int64_t K, int64_t N, const float* bias) {
+void gemv_i8(const QuantizedX& xq, int64_t row0, const uint8_t* codes, const uint8_t* scales,
+             const float* row_scales, int64_t kind, const float* table, float* y, int64_t K, int64_t N,
+             const float* bias) {
+  const int64_t groups = K / 32;
+  const XRows x{xq.q.data() + row0 * K, xq.corr.data() + row0 * groups * 8, xq.scale.data() + row0 * groups};
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+    std::vector<float> ws(K / BS);
     for (int64_t n = n0; n < n1; ++n)
-      row_kernel_i8<M, BS>(xq, xs, codes + n * (K / 2), scales + n * (K / BS), table, row_scales[n], y, K, N, n,
-                           bias);
+      row_kernel_i8<M, BS>(x, codes + n * (K / 2), scales + n * (K / BS), kind, table, ws.data(), row_scales[n], y,
+                           K, N, n, bias);
   });
 }
 
@@ -148,21 +205,17 @@ void gemv(const float* x, const uint8_t* codes, const uint8_t* scales, const flo
 }
 
 template <int BS>
-void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
+void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales, int64_t kind,
          const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
   if (K % 32 == 0) {
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> xs(M * (K / 32));
-    quantize_activations(x, M, K, xq.data(), xs.data());
+    const QuantizedX xq = quantize_activations(x, M, K);
     expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
-      const int8_t* q = xq.data() + m0 * K;
-      const float* s = xs.data() + m0 * (K / 32);
       float* yp = y + m0 * N;
       switch (mb) {
-        case 1: gemv_i8<1, BS>(q, s, codes, scales, row_scales, table, yp, K, N, bias); break;
-        case 2: gemv_i8<2, BS>(q, s, codes, scales, row_scales, table, yp, K, N, bias); break;
-        case 3: gemv_i8<3, BS>(q, s, codes, scales, row_scales, table, yp, K, N, bias); break;
-        default: gemv_i8<4, BS>(q, s, codes, scales, row_scales, table, yp, K, N, bias); break;
+        case 1: gemv_i8<1, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        case 2: gemv_i8<2, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        case 3: gemv_i8<3, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        default: gemv_i8<4, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
       }
     });
     return;
@@ -199,6 +252,6 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   const float* table = scale_table(scale_kind);
   auto* run_fn = block == 16 ? &run<16> : &run<32>;
   run_fn(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scales.data_ptr<float>(),
-         table, y.data_ptr<float>(), M, K, N, b);
+         scale_kind, table, y.data_ptr<float>(), M, K, N, b);
   return y;
 }
