@@ -3,6 +3,7 @@ sampled outputs keep the target's distribution (chi-square tests at fixed contex
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -75,6 +76,49 @@ def test_draft_model_state_survives_preemption_and_abort(llama_dir, draft_dir):
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
     draft = engine.proposers[1].proposer
     assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
+
+
+# unequal lengths: sequences catch up one at a time; equal: as one batch
+@pytest.mark.parametrize("lengths", [[4, 2, 5, 1, 4], [3, 3, 3, 3, 3]])
+def test_native_draft_loop_proposes_what_the_step_loop_does(
+    tmp_path, llama_dir, draft_dir, lengths
+):
+    """bf16 weights put the draft on the native decode step, whose greedy loop catches up on
+    the unseen tokens and makes every guess in one call; its guesses must be the Python step
+    loop's, also after the target accepted part of them (KV trimmed and caught up)."""
+    for src, name in ((llama_dir, "target"), (draft_dir, "draft")):
+        shutil.copytree(src, tmp_path / name)
+        weights = {k: v.bfloat16() for k, v in load_file(src / "model.safetensors").items()}
+        save_file(weights, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        config["dtype"] = config["torch_dtype"] = "bfloat16"
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path / "target"), speculative=_spec(tmp_path / "draft"))
+    draft = llm.engine.proposers[1].proposer
+    assert draft.model.native_greedy
+    prompts = random_prompts(5, 4, 40, seed=43)
+
+    def rounds(native: bool) -> list[list[int]]:
+        draft.model.native_greedy = native
+        greedy = SamplingParams(temperature=0)
+        reqs = [Request(f"r{i}", list(p), greedy, max_tokens=64) for i, p in enumerate(prompts)]
+        out = []
+        for _ in range(3):
+            proposals = draft.propose(reqs, lengths)
+            out += [p.token_ids for p in proposals]
+            for r, p in zip(reqs, proposals, strict=True):  # accept half, then a token of its own
+                r.token_ids.extend(p.token_ids[: len(p.token_ids) // 2] + [7])
+        for r in reqs:
+            draft.release(r.request_id)
+        assert draft.kv.num_free_blocks == draft.kv.num_blocks
+        return out
+
+    calls = []
+    native_greedy = draft.model.greedy
+    draft.model.greedy = lambda *args: calls.append(args) or native_greedy(*args)
+    fast = rounds(native=True)
+    assert len(calls) >= 2  # rounds 2 and 3 at least (round 1 catches up on whole prompts)
+    assert fast == rounds(native=False)
 
 
 class _Row(Request):

@@ -117,17 +117,23 @@ class ModelRunner:
             samples,
         )
 
-    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request], q_len: int) -> None:
+    def padded_slots(self, reqs: list[Request], length: int) -> np.ndarray:
+        """[len(reqs), length] slots of positions 0..length-1 of each request (block 0 past
+        the end of its block table: masked by the attention)."""
         bs = self.block_size
-        starts = np.array([r.num_computed_tokens for r in reqs])
-        lens = starts + q_len
-        L = int(lens.max())
-        nb = -(-L // bs)
+        nb = -(-length // bs)
         tables = np.zeros((len(reqs), nb), dtype=np.int64)
         for i, r in enumerate(reqs):
             tables[i, : len(r.block_ids[:nb])] = r.block_ids[:nb]
+        pos = np.arange(length)
+        return tables[:, pos // bs] * bs + pos % bs
+
+    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request], q_len: int) -> None:
+        starts = np.array([r.num_computed_tokens for r in reqs])
+        lens = starts + q_len
+        L = int(lens.max())
         pos = np.arange(L)
-        slots = tables[:, pos // bs] * bs + pos % bs
+        slots = self.padded_slots(reqs, L)
         meta.num_decode_tokens = len(reqs) * q_len
         meta.decode_batch = len(reqs)
         meta.decode_q_len = q_len

@@ -118,7 +118,62 @@ class DecodeStack {
     return x;
   }
 
+  // The output head for `greedy`: token embeddings [V, hidden], final norm, lm_head linear.
+  void set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head, int64_t fp4_block,
+                int64_t fp4_scale_kind) {
+    embed_ = embed;
+    norm_ = norm.to(torch::kFloat32).contiguous();
+    head_ = {lm_head, c10::nullopt, fp4_block, fp4_scale_kind};
+  }
+
+  // `steps` greedy tokens for each of B sequences without returning to Python (a draft
+  // model's proposals). unseen[b]: sequence b's tokens not yet in the cache (at least one; a
+  // few); starts: [B] tokens in the cache; decode_slots: [B*L] slots of positions 0..L-1
+  // (L >= starts + unseen + steps - 1); cos/sin_signed: [positions, D] RoPE tables; vocab:
+  // logits past it are ignored. Returns [B, steps].
+  torch::Tensor greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor decode_slots, int64_t L,
+                       int64_t steps, torch::Tensor cos, torch::Tensor sin, int64_t vocab) {
+    TORCH_CHECK(embed_.defined(), "set_head first");
+    const int64_t B = static_cast<int64_t>(unseen.size());
+    auto slots = decode_slots.to(torch::kInt64).view({B, L});
+    auto pos = starts.to(torch::kInt64).clone();
+    auto out = torch::empty({B, steps}, pos.options());
+    bool uniform = true;
+    for (const auto& u : unseen) uniform = uniform && u.numel() == unseen[0].numel();
+    // catch up on the unseen tokens; the last one's logits give the first guess
+    if (uniform) {
+      out.select(1, 0).copy_(next_tokens(torch::stack(unseen), pos, slots, L, cos, sin, vocab));
+    } else {
+      for (int64_t b = 0; b < B; ++b)
+        out.select(1, 0).narrow(0, b, 1).copy_(next_tokens(unseen[b].view({1, -1}), pos.narrow(0, b, 1),
+                                                           slots.narrow(0, b, 1), L, cos, sin, vocab));
+    }
+    for (int64_t b = 0; b < B; ++b) pos[b] += unseen[b].numel();
+    for (int64_t i = 1; i < steps; ++i) {
+      out.select(1, i).copy_(next_tokens(out.select(1, i - 1).view({B, 1}), pos, slots, L, cos, sin, vocab));
+      pos += 1;
+    }
+    return out;
+  }
+
  private:
+  // tokens [B, Q] at positions starts[b].. of each sequence -> the greedy token after each.
+  torch::Tensor next_tokens(const torch::Tensor& tokens, const torch::Tensor& starts, const torch::Tensor& slots,
+                            int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab) {
+    const int64_t B = tokens.size(0), Q = tokens.size(1);
+    auto positions = (starts.view({B, 1}) + torch::arange(Q, starts.options()).view({1, Q})).view(-1);
+    auto rows = torch::arange(B, starts.options()).repeat_interleave(Q);
+    auto x = embed_.index_select(0, tokens.reshape(-1).to(torch::kInt64)).to(torch::kFloat32);
+    auto h = forward(x, cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1),
+                     slots.index({rows, positions}), slots.reshape(-1), L, Q, starts);
+    auto last = h.view({B, Q, -1}).select(1, Q - 1).contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      float* r = last.data_ptr<float>() + b * last.size(1);
+      ops::rms_norm(r, norm_.data_ptr<float>(), r, last.size(1), eps);
+    }
+    return head_(last).narrow(1, 0, vocab).argmax(1);
+  }
+
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
 
   // q/k norms (Qwen3) and RoPE, in place on the fused projection's q and k heads.
@@ -188,11 +243,15 @@ class DecodeStack {
   int64_t H, Hkv, D, F;
   float eps;
   std::vector<Layer> layers;
+  torch::Tensor embed_, norm_;
+  Linear head_;
 };
 
 void register_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("set_head", &DecodeStack::set_head)
+      .def("greedy", &DecodeStack::greedy);
 }

@@ -76,6 +76,7 @@ class LlamaModel(nn.Module):
         self.lm_head = make_linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
         self.decode_stack = None
+        self.native_greedy = False  # decode_stack.greedy is available
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -88,6 +89,9 @@ class LlamaModel(nn.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attn.kv = PlainKV.wrap(cache) if isinstance(cache, torch.Tensor) else cache
         self.decode_stack = build_decode_stack(self)
+        self.native_greedy = (
+            self.decode_stack is not None and self.lm_head.kernel_weights() is not None
+        )
 
     @torch.inference_mode()
     def forward(
@@ -118,6 +122,22 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.norm(x)).float()
+
+    @torch.inference_mode()
+    def greedy(self, unseen: list[list[int]], starts: list[int], slots: torch.Tensor, steps: int):
+        """`steps` greedy tokens per sequence in one native call (a draft model's proposals).
+        unseen[i]: the tokens of sequence i past its starts[i] cached ones; slots: [B, L] of
+        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `native_greedy`."""
+        return self.decode_stack.greedy(
+            [torch.tensor(u) for u in unseen],
+            torch.tensor(starts),
+            slots.reshape(-1),
+            slots.shape[1],
+            steps,
+            self.rotary.cos,
+            self.rotary.sin_signed,
+            self.cfg.vocab_size,
+        )
 
 
 def build_decode_stack(model: LlamaModel):
@@ -153,5 +173,15 @@ def build_decode_stack(model: LlamaModel):
             layer.attn.kv.tensor,
             block,
             kind,
+        )
+    head = model.lm_head.kernel_weights()
+    if head is not None:
+        fmt = getattr(model.lm_head, "fmt", None)
+        stack.set_head(
+            model.embed,
+            model.norm.weight,
+            head,
+            fmt.block_size if fmt else 0,
+            fmt.kernel_scale_kind if fmt else 0,
         )
     return stack

@@ -27,6 +27,7 @@ from expresslane.spec.proposal import Proposal
 log = logging.getLogger("expresslane.spec")
 
 _SEED_SALT = 0x5BD1E995  # the draft's draws must not repeat the target's verification draws
+NATIVE_CATCH_UP = 8  # unseen tokens the native loop takes; more go through a prompt chunk
 
 
 class Shadow(Request):
@@ -79,6 +80,11 @@ class DraftModelProposer:
         greedy = [r.params.greedy for r in requests]
         active = list(range(len(requests)))
         index = {id(s): i for i, s in enumerate(shadows)}
+        if all(greedy) and self._greedy_native(shadows, lengths):
+            return [
+                Proposal(s.token_ids[len(s.token_ids) - n :], None)
+                for s, n in zip(shadows, lengths, strict=True)
+            ]
         while active:
             items = []
             for i in active:
@@ -102,6 +108,30 @@ class DraftModelProposer:
         return [
             Proposal(g, torch.stack(p) if p else None) for g, p in zip(guesses, probs, strict=True)
         ]
+
+    def _greedy_native(self, shadows: list[Shadow], lengths: list[int]) -> bool:
+        """Every guess of every shadow in one native call, when each has only a few unseen
+        tokens (the usual case after the first proposal: the accepted guesses and the target's
+        own token). False if unavailable or out of blocks: the step loop runs instead."""
+        if not self.model.native_greedy or any(
+            s.num_tokens - s.num_computed_tokens > NATIVE_CATCH_UP for s in shadows
+        ):
+            return False
+        steps = max(lengths)
+        if not all(self.kv.allocate(s, s.num_tokens + steps - 1) for s in shadows):
+            return False
+        starts = [s.num_computed_tokens for s in shadows]
+        slots = self.runner.padded_slots(shadows, max(s.num_tokens for s in shadows) + steps - 1)
+        tokens = self.model.greedy(
+            [s.token_ids[s.num_computed_tokens :] for s in shadows],
+            starts,
+            torch.from_numpy(slots),
+            steps,
+        )
+        for s, row, n in zip(shadows, tokens.tolist(), lengths, strict=True):
+            s.num_computed_tokens = s.num_tokens + n - 1  # all but the last guess
+            s.token_ids.extend(row[:n])
+        return True
 
     def _choose(self, logits, shadows, greedy, order):
         """Greedy rows take the argmax; sampled rows draw from the draft's own q (same
