@@ -6,7 +6,14 @@ import pytest
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import InvalidRequestError
-from expresslane.spec import NgramProposer, Proposal, make_proposer, proposal_length
+from expresslane.spec import (
+    NgramProposer,
+    Proposal,
+    best_length,
+    expected_tokens,
+    make_proposer,
+    proposal_length,
+)
 
 from .conftest import random_prompts
 
@@ -61,6 +68,21 @@ def test_proposal_length_follows_the_acceptance_rate():
         make_proposer({"num_tokens": 3, "depth": 2})
     assert make_proposer({}, "cpu").max_batch == 2
     assert make_proposer({"max_batch": None}).max_batch is None
+
+
+def test_best_length_weighs_expected_tokens_against_step_cost():
+    flat = lambda k: 0.004  # noqa: E731 - a small model at batch 1: extra tokens are free
+    assert best_length(0.5, 6, flat) == 6
+    assert best_length(0.0, 6, flat) == 1  # nothing to gain: the fewest
+    per_token = lambda k: 0.004 * (1 + k)  # noqa: E731 - every token costs a full step
+    assert best_length(0.5, 6, per_token) == 1
+    assert best_length(0.9, 6, per_token) == 1  # 1.9 tokens in 2 steps beats 2.71 in 3
+    # 31 others yielding 40 tokens; one more token costs 1/32 of the step: worth more than a
+    # guess kept 80% of the time; at 1/320 of the step (memory-bound), guesses pay
+    assert best_length(0.8, 6, lambda k: 0.004 * (32 + k) / 32, others=40.0) == 1
+    assert best_length(0.8, 6, lambda k: 0.004 * (320 + k) / 320, others=40.0) == 6
+    assert best_length(0.1, 6, lambda k: 0.004 * (320 + k) / 320, others=40.0) == 1
+    assert expected_tokens(0.5, 2) == 1.75
 
 
 class _Scripted:

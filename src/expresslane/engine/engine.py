@@ -23,7 +23,7 @@ from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec import make_proposer, proposal_length
+from expresslane.spec import best_length, expected_tokens, make_proposer, proposal_length
 from expresslane.spec.draft import DraftModelProposer
 from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
@@ -278,9 +278,16 @@ class LLMEngine:
     def _propose(self) -> None:
         """Guess the next tokens of requests that are decoding, one proposer call per lane.
         Lanes without a speed target stop guessing while the running batch is past where
-        verification pays."""
+        verification pays. Adaptive lanes choose each request's number of guesses from its
+        acceptance rate and the step-latency model (`best_length`): most tokens per second."""
         running = self.scheduler.running
         wanted: dict[int, tuple[list[Request], list[int]]] = {}
+        context = sum(r.num_tokens for r in running)
+
+        def step_seconds(tokens: int) -> float:
+            return self.step_model.predict(len(running), tokens, context)
+
+        extra, expected = 0, float(len(running))  # guesses so far, tokens the batch yields
         for req in running:
             spec = self.proposers.get(req.priority)
             if spec is None:
@@ -295,13 +302,19 @@ class LLMEngine:
             if not decoding or req.num_output_tokens < req.params.min_tokens:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-            k = spec.num_tokens
-            if spec.adaptive:
-                k = proposal_length(req.spec_acceptance, k)
-            if room > 1:
-                reqs, lengths = wanted.setdefault(req.priority, ([], []))
-                reqs.append(req)
-                lengths.append(min(k, room - 1))
+            if room <= 1:
+                continue
+            k, a = min(spec.num_tokens, room - 1), req.spec_acceptance
+            if spec.adaptive and self.step_model.ready:
+                base = len(running) + extra
+                k = best_length(a, k, lambda n, base=base: step_seconds(base + n), expected - 1)
+            elif spec.adaptive:
+                k = proposal_length(a, k)
+            extra += k
+            expected += expected_tokens(a, k) - 1
+            reqs, lengths = wanted.setdefault(req.priority, ([], []))
+            reqs.append(req)
+            lengths.append(k)
         for rank, (reqs, lengths) in wanted.items():
             proposals = self.proposers[rank].proposer.propose(reqs, lengths)
             for req, k, proposal in zip(reqs, lengths, proposals, strict=True):

@@ -68,8 +68,28 @@ def make_proposer(
     raise InvalidRequestError(f"unknown speculative method {method!r}; available: ngram, draft")
 
 
+def expected_tokens(acceptance: float, guesses: int) -> float:
+    """Tokens a verification yields when each guess is kept with probability `acceptance`
+    until the first miss, plus the target's own: 1 + a + a^2 + ... + a^guesses."""
+    return sum(acceptance**i for i in range(guesses + 1))
+
+
+def best_length(
+    acceptance: float, max_tokens: int, step_seconds: Callable[[int], float], others: float = 0.0
+) -> int:
+    """The number of guesses (1..max_tokens) that yields the most tokens per second for the
+    whole step: `step_seconds(k)` predicts the step's time with k more tokens (from the
+    step-latency model, which also times the proposals), `others` the tokens the rest of the
+    batch is expected to yield. Where a step costs about the same for 1 or 8 tokens (small
+    models, small batches) this is the most guesses; where tokens cost, fewer."""
+    return max(
+        range(1, max_tokens + 1),
+        key=lambda k: (others + expected_tokens(acceptance, k)) / max(step_seconds(k), 1e-9),
+    )
+
+
 def proposal_length(acceptance: float, max_tokens: int) -> int:
-    """Guesses worth proposing at this acceptance rate: about the expected run of accepted
+    """Before step costs are known: about the expected run of accepted
     ones, a/(1-a) (1 at a=0.5, 4 at a=0.8), at least 1 so the rate keeps being measured."""
     if acceptance >= 0.95:
         return max_tokens
@@ -81,6 +101,8 @@ __all__ = [
     "Proposal",
     "Proposer",
     "SpecConfig",
+    "best_length",
+    "expected_tokens",
     "make_proposer",
     "proposal_length",
 ]
