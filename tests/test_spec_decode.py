@@ -22,7 +22,8 @@ def test_ngram_proposer_finds_the_latest_continuation():
     p = NgramProposer(min_n=1, max_n=3)
     assert p.lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
     assert p.lookup([5, 6, 7], 3) == []
-    assert p.lookup([4, 4, 4], 5) == [4]
+    assert p.lookup([4, 4, 4], 5) == [4, 4, 4, 4, 4]  # a loop: its period continues
+    assert p.lookup([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -25,7 +25,8 @@ class NgramProposer:
         pass  # keeps no per-request state
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        (periodic: when that occurrence overlaps the suffix, the period is repeated)."""
         tokens = np.asarray(token_ids)
         L = len(tokens)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
@@ -33,5 +34,10 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[L - n :]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
+                guess = tokens[start : start + k].tolist()
+                # A match that ends near the end of the context overlaps what it predicts: the
+                # sequence is periodic there, so keep copying through the guess itself.
+                while 0 < len(guess) < k:
+                    guess.append(guess[len(guess) - (L - start)])
+                return guess
         return []
