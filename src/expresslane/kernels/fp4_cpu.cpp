@@ -88,28 +88,30 @@ inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scal
 //   wants); the + 12 comes back out as 12 x the activations' lane sums, precomputed per call;
 // - nibbles are not re-interleaved: a group expands to [even elements | odd elements], and the
 //   activations are stored in that order;
-// - a row's block scales are decoded eight at a time before its groups are visited.
+// - a row's block scales are decoded eight at a time, and multiplied by the activations'
+//   scales, before its groups are visited: a group then needs one scale load.
 constexpr int kOffset = 12;
 alignas(16) const int8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // Quantized activations of one call: per row, values in expansion order, 12 x the sums of each
-// int32 lane's four values, and the per-32 scales.
+// int32 lane's four values, and the scale of each weight block's activations (the per-32
+// scale, repeated for both 16-blocks of a group under NVFP4).
 struct QuantizedX {
   std::vector<int8_t> q;      // [M, K]
   std::vector<int32_t> corr;  // [M, K/32, 8]
-  std::vector<float> scale;   // [M, K/32]
+  std::vector<float> scale;   // [M, K/block rounded up to 8]
 };
 
-QuantizedX quantize_activations(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = K / 32;
-  QuantizedX out{std::vector<int8_t>(M * K), std::vector<int32_t>(M * groups * 8), std::vector<float>(M * groups)};
+QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
+  const int64_t groups = K / 32, per_group = 32 / block, n8 = (K / block + 7) / 8 * 8;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<int32_t>(M * groups * 8), std::vector<float>(M * n8)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < groups; ++j) {
       const float* v = x + m * K + 32 * j;
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      out.scale[m * groups + j] = amax / 127.0f;
+      for (int64_t b = 0; b < per_group; ++b) out.scale[m * n8 + j * per_group + b] = amax / 127.0f;
       int8_t* q = out.q.data() + m * K + 32 * j;
       for (int i = 0; i < 16; ++i) {
         q[i] = static_cast<int8_t>(std::nearbyint(v[2 * i] * inv));
@@ -132,10 +134,20 @@ inline __m256 decode_scales8(const uint8_t* p, int64_t kind) {
   return _mm256_blendv_ps(subnormal, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
 }
 
-void decode_row_scales(const uint8_t* scales, int64_t n, int64_t kind, const float* table, float* out) {
+// A row's n block scales times each of the M activation rows' block scales: out[m * n8 + b],
+// n8 = n rounded up to 8. Whole vectors of 8 are decoded as long as the scale bytes exist
+// (`end`: the end of the scale tensor); `xs` rows are padded to n8 too.
+template <int M>
+void combined_row_scales(const uint8_t* scales, int64_t n, int64_t kind, const float* table, const float* xs,
+                         float* out, const uint8_t* end) {
+  const int64_t n8 = (n + 7) / 8 * 8;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, decode_scales8(scales + i, kind));
-  for (; i < n; ++i) out[i] = table[scales[i]];
+  for (; i < n && scales + i + 8 <= end; i += 8) {
+    const __m256 w = decode_scales8(scales + i, kind);
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * n8 + i, _mm256_mul_ps(w, _mm256_loadu_ps(xs + m * n8 + i)));
+  }
+  for (; i < n; ++i)
+    for (int m = 0; m < M; ++m) out[m * n8 + i] = table[scales[i]] * xs[m * n8 + i];
 }
 
 // Rows m0.. of a QuantizedX.
@@ -146,8 +158,8 @@ struct XRows {
 };
 
 template <int M, int BS>
-inline void row_kernel_i8(const XRows& xq, const uint8_t* codes, const uint8_t* scales, int64_t kind,
-                          const float* table, float* ws, float row_scale, float* y, int64_t K, int64_t N, int64_t n,
+inline void row_kernel_i8(const XRows& xq, const uint8_t* codes, const uint8_t* scales, const uint8_t* scales_end,
+                          int64_t kind, const float* table, float* ws, float row_scale, float* y, int64_t K, int64_t N, int64_t n,
                           const float* bias) {
   const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
   const __m256i lut = _mm256_set_m128i(lut128, lut128);
@@ -156,29 +168,40 @@ inline void row_kernel_i8(const XRows& xq, const uint8_t* codes, const uint8_t* 
   // NVFP4: int32 lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
   const __m256i pair = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
   const int64_t groups = K / 32;
-  decode_row_scales(scales, K / BS, kind, table, ws);
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < groups; ++j) {
+  const int64_t nb = K / BS, n8 = (nb + 7) / 8 * 8;
+  combined_row_scales<M>(scales, nb, kind, table, xq.scale, ws, scales_end);
+  // U groups per iteration, each into its own accumulators: the FMA chains overlap
+  constexpr int U = M <= 2 ? 2 : 1;
+  __m256 acc[U][M];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
+  auto group = [&](int64_t j, __m256* a) {
     const uint8_t* p = codes + 16 * j;
     _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i lo = _mm_and_si128(b, low4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
     const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(hi, lo));  // [even | odd], + 12
-    const __m256 wscale =
-        BS == 16 ? _mm256_permutevar8x32_ps(
-                       _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * j)))), pair)
-                 : _mm256_broadcast_ss(ws + j);
     for (int m = 0; m < M; ++m) {
+      const float* c = ws + m * n8;
+      const __m256 s = BS == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
+                                                                _mm_load_sd(reinterpret_cast<const double*>(c + 2 * j)))),
+                                                            pair)
+                                : _mm256_broadcast_ss(c + j);
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + m * K + 32 * j));
       const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
       const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones), corr);
-      const __m256 s = _mm256_mul_ps(wscale, _mm256_broadcast_ss(xq.scale + m * groups + j));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m]);
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, a[m]);
     }
-  }
-  for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + (bias ? bias[n] : 0.0f);
+  };
+  int64_t j = 0;
+  for (; j + U <= groups; j += U)
+    for (int u = 0; u < U; ++u) group(j + u, acc[u]);
+  for (; j < groups; ++j) group(j, acc[0]);
+  for (int u = 1; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[0][m] = _mm256_add_ps(acc[0][m], acc[u][m]);
+  __m256* const out = acc[0];
+  for (int m = 0; m < M; ++m) y[m * N + n] = hsum(out[m]) * row_scale + (bias ? bias[n] : 0.0f);
 }
 
 template <int M, int BS>
@@ -186,12 +209,14 @@ void gemv_i8(const QuantizedX& xq, int64_t row0, const uint8_t* codes, const uin
              const float* row_scales, int64_t kind, const float* table, float* y, int64_t K, int64_t N,
              const float* bias) {
   const int64_t groups = K / 32;
-  const XRows x{xq.q.data() + row0 * K, xq.corr.data() + row0 * groups * 8, xq.scale.data() + row0 * groups};
+  const int64_t n8 = (K / BS + 7) / 8 * 8;
+  const XRows x{xq.q.data() + row0 * K, xq.corr.data() + row0 * groups * 8, xq.scale.data() + row0 * n8};
+  const uint8_t* scales_end = scales + N * (K / BS);
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-    std::vector<float> ws(K / BS);
+    std::vector<float> ws(M * n8);
     for (int64_t n = n0; n < n1; ++n)
-      row_kernel_i8<M, BS>(x, codes + n * (K / 2), scales + n * (K / BS), kind, table, ws.data(), row_scales[n], y,
-                           K, N, n, bias);
+      row_kernel_i8<M, BS>(x, codes + n * (K / 2), scales + n * (K / BS), scales_end, kind, table, ws.data(),
+                           row_scales[n], y, K, N, n, bias);
   });
 }
 
@@ -208,7 +233,7 @@ template <int BS>
 void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales, int64_t kind,
          const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
   if (K % 32 == 0) {
-    const QuantizedX xq = quantize_activations(x, M, K);
+    const QuantizedX xq = quantize_activations(x, M, K, BS);
     expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
       float* yp = y + m0 * N;
       switch (mb) {
