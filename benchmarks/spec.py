@@ -38,7 +38,7 @@ def workloads(n: int, seed: int = 0) -> dict[str, list[str]]:
     for fn in long_enough:
         first = fn["source"].split("\n", 1)[0]
         renamed = first.replace(f"def {fn['name']}(", f"def {fn['name']}_v2(", 1)
-        edit.append(f"{fn['source']}\n\n\n{renamed}\n")
+        edit.append(f"{fn['source']}\n\n\n{renamed}")  # no bare newline: see MODEL_CARD
     complete = [fn["header"] for fn in functions[:n]]
     return {"edit": edit, "complete": complete}
 
