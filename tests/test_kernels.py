@@ -106,9 +106,11 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3])  # decode, speculative verification
-def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len):
-    """The C++ decode step (fused norms, RoPE and paged attention) against the Python layers,
-    at the tensor level: sequences of different lengths in one padded batch."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len, kv_dtype):
+    """The C++ decode step (fused norms, RoPE and paged attention, over a float32 or an FP8
+    cache) against the Python layers, at the tensor level: sequences of different lengths in
+    one padded batch."""
     from types import SimpleNamespace
 
     import transformers
@@ -118,13 +120,16 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.bfloat16)
     hf.save_pretrained(tmp_path)  # bf16 weights: the kernels' format
-    engine = LLM(str(tmp_path)).engine
+    engine = LLM(str(tmp_path), kv_cache_dtype=kv_dtype).engine
     model, runner = engine.model, engine.runner
     assert model.decode_stack is not None
-    assert runner.block_size * 10 * 3 <= runner.kv_caches[0].tensor.shape[2]
+    assert engine.kv.num_blocks >= 30  # the three sequences below use blocks 0-29
     g = torch.Generator().manual_seed(q_len)
-    for cache in runner.kv_caches:  # a cache full of earlier tokens' keys and values
-        cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=g))
+    hkv, d = model.cfg.num_kv_heads, model.cfg.head_dim
+    for store in runner.kv_caches:  # a cache full of earlier tokens' keys and values
+        n = runner.block_size * 30
+        k, v = (torch.randn(n, hkv, d, generator=g) for _ in range(2))
+        store.write(k, v, torch.arange(n))
     seqs = [
         SimpleNamespace(num_computed_tokens=n, block_ids=[10 * i + j for j in range(10)])
         for i, n in enumerate([5, 37, 18])

@@ -13,7 +13,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -42,8 +46,23 @@ namespace ops = expresslane::ops;
 struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms undefined unless Qwen3
   Linear qkv, o, gate_up, down;
-  torch::Tensor kv_cache;  // [2, Hkv, slots, D]
+  // float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
+  // [2, Hkv, slots, 1] (models/kv_store.py Fp8KV)
+  std::vector<torch::Tensor> kv;
+  bool fp8() const { return kv.size() == 2; }
+  int64_t slots() const { return kv[0].size(2); }
 };
+
+// E4M3 byte -> float, as torch converts float8_e4m3fn.
+const float* e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return t.data();
+}
 
 }  // namespace
 
@@ -55,15 +74,20 @@ class DecodeStack {
   }
 
   // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
-  // fp4_block / fp4_scale_kind describe the FP4 ones. kv_cache: float32 [2, Hkv, slots, D].
+  // fp4_block / fp4_scale_kind describe the FP4 ones. kv: the layer's cache (see Layer::kv).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
-                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor kv_cache, int64_t fp4_block,
+                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t fp4_block,
                  int64_t fp4_scale_kind) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
-    TORCH_CHECK(kv_cache.dtype() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 4 &&
-                    kv_cache.size(0) == 2 && kv_cache.size(1) == Hkv && kv_cache.size(3) == D,
-                "kv_cache: contiguous float32 [2, Hkv, slots, D]");
+    TORCH_CHECK(kv.size() == 1 || kv.size() == 2, "kv: [float32 cache] or [E4M3 bytes, float16 scales]");
+    const auto values_dtype = kv.size() == 1 ? torch::kFloat32 : torch::kUInt8;
+    TORCH_CHECK(kv[0].dtype() == values_dtype && kv[0].is_contiguous() && kv[0].dim() == 4 && kv[0].size(0) == 2 &&
+                    kv[0].size(1) == Hkv && kv[0].size(3) == D,
+                "kv values: contiguous [2, Hkv, slots, D]");
+    TORCH_CHECK(kv.size() == 1 || (kv[1].dtype() == torch::kFloat16 && kv[1].is_contiguous() &&
+                                   kv[1].numel() == kv[0].numel() / D),
+                "kv scales: contiguous float16 [2, Hkv, slots, 1]");
     TORCH_CHECK(input_norm.numel() % 8 == 0, "hidden size a multiple of 8");
     auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32).contiguous(); };
     Layer l;
@@ -73,7 +97,7 @@ class DecodeStack {
     if (k_norm) l.k_norm = f32(*k_norm);
     Linear* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (int i = 0; i < 4; ++i) *dst[i] = {linears[i], i == 0 ? qkv_bias : c10::nullopt, fp4_block, fp4_scale_kind};
-    l.kv_cache = kv_cache;
+    l.kv = kv;
     layers.push_back(l);
   }
 
@@ -188,13 +212,36 @@ class DecodeStack {
   }
 
   void write_kv(const Layer& l, const float* qkv, int64_t T, const int64_t* slots) const {
-    float* cache = l.kv_cache.data_ptr<float>();
-    const int64_t S = l.kv_cache.size(2);
+    const int64_t S = l.slots();
     for (int64_t t = 0; t < T; ++t)
       for (int64_t kv = 0; kv < 2; ++kv)
-        for (int64_t h = 0; h < Hkv; ++h)
-          std::memcpy(cache + ((kv * Hkv + h) * S + slots[t]) * D, qkv + t * qkv_width() + (H + kv * Hkv + h) * D,
-                      D * sizeof(float));
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const float* src = qkv + t * qkv_width() + (H + kv * Hkv + h) * D;
+          const int64_t row = (kv * Hkv + h) * S + slots[t];
+          if (!l.fp8()) {
+            std::memcpy(l.kv[0].data_ptr<float>() + row * D, src, D * sizeof(float));
+            continue;
+          }
+          // as Fp8KV.write: scale = half(max(amax / 448, 1e-8)), bytes = e4m3(x / scale)
+          float amax = 0.0f;
+          for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
+          const c10::Half scale(std::max(amax / 448.0f, 1e-8f));
+          l.kv[1].data_ptr<c10::Half>()[row] = scale;
+          uint8_t* dst = l.kv[0].data_ptr<uint8_t>() + row * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(src[i] / static_cast<float>(scale)).x;
+        }
+  }
+
+  // Row `slot` of kv head h of K (kv 0) or V (kv 1): in place for a float32 cache, else
+  // dequantized into buf.
+  const float* kv_row(const Layer& l, int64_t kv, int64_t h, int64_t slot, float* buf) const {
+    const int64_t row = (kv * Hkv + h) * l.slots() + slot;
+    if (!l.fp8()) return l.kv[0].data_ptr<float>() + row * D;
+    const uint8_t* bytes = l.kv[0].data_ptr<uint8_t>() + row * D;
+    const float scale = static_cast<float>(l.kv[1].data_ptr<c10::Half>()[row]);
+    const float* table = e4m3_table();
+    for (int64_t i = 0; i < D; ++i) buf[i] = table[bytes[i]] * scale;
+    return buf;
   }
 
   // Attention of every (sequence, kv head) pair over the paged cache, read in place: the
@@ -202,25 +249,23 @@ class DecodeStack {
   // over the value rows.
   void attend(const Layer& l, const float* qkv, float* out, int64_t B, int64_t Q, int64_t L, const int64_t* slots,
               const int64_t* starts) const {
-    const float* keys = l.kv_cache.data_ptr<float>();
-    const int64_t S = l.kv_cache.size(2), G = H / Hkv, rows = Q * G;
-    const float* values = keys + Hkv * S * D;
+    const int64_t G = H / Hkv, rows = Q * G;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const int64_t work = std::max<int64_t>(1, L * rows * D);
     at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-      std::vector<float> scores(rows * L), acc(rows * D);
+      std::vector<float> scores(rows * L), acc(rows * D), buf(D);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t b = p / Hkv, h = p % Hkv;
         const int64_t* seq = slots + b * L;
         const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
-        const float* k = keys + h * S * D;
-        const float* v = values + h * S * D;
-        for (int64_t pos = 0; pos < seen; ++pos)
+        for (int64_t pos = 0; pos < seen; ++pos) {
+          const float* k = kv_row(l, 0, h, seq[pos], buf.data());
           for (int64_t j = 0; j < Q; ++j)
             for (int64_t g = 0; g < G; ++g) {
               const float* q = qkv + (b * Q + j) * qkv_width() + (h * G + g) * D;
-              scores[(j * G + g) * L + pos] = ops::dot(q, k + seq[pos] * D, D) * scale;
+              scores[(j * G + g) * L + pos] = ops::dot(q, k, D) * scale;
             }
+        }
         for (int64_t r = 0; r < rows; ++r) {
           float* s = scores.data() + r * L;
           const int64_t n = std::min(seen, starts[b] + r / G + 1);
@@ -231,8 +276,10 @@ class DecodeStack {
           std::fill(s + n, s + seen, 0.0f);
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t pos = 0; pos < seen; ++pos)
-          for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v + seq[pos] * D, acc.data() + r * D, D);
+        for (int64_t pos = 0; pos < seen; ++pos) {
+          const float* v = kv_row(l, 1, h, seq[pos], buf.data());
+          for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v, acc.data() + r * D, D);
+        }
         for (int64_t j = 0; j < Q; ++j)
           for (int64_t g = 0; g < G; ++g)
             std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));

@@ -10,8 +10,9 @@ slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute 
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
   NVFP4's block layout without the tensor scale: D/2 + D/16 bytes (72% less than bf16).
 
-Compressed stores dequantize what they read, in PyTorch (no fused kernel yet): they trade
-memory for some speed, and the C++ decode step, which reads plain tensors, is not used.
+Compressed stores dequantize what they read. The C++ decode step writes and reads FP8 rows
+itself (dequantized inside its attention loop); FP4 is dequantized in PyTorch, so with it the
+Python layers run (a trade of memory for speed).
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ class PlainKV:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self.tensor.index_select(2, slots)
 
+    def native(self) -> list[torch.Tensor] | None:
+        """What the C++ decode step reads (it computes in float32), or None."""
+        return [self.tensor] if self.tensor.dtype == torch.float32 else None
+
 
 class Fp8KV:
-    tensor = None  # no plain tensor for the C++ decode step
+    tensor = None  # no plain tensor
 
     def __init__(self, num_kv_heads: int, slots: int, head_dim: int, dtype, device):
         self.dtype = dtype
@@ -78,6 +83,10 @@ class Fp8KV:
     def read(self, slots) -> torch.Tensor:
         values = self.values.index_select(2, slots).view(torch.float8_e4m3fn).float()
         return (values * self.scales.index_select(2, slots).float()).to(self.dtype)
+
+    def native(self) -> list[torch.Tensor] | None:
+        """The C++ decode step writes and reads these the same way (kernels/decode_cpu.cpp)."""
+        return [self.values, self.scales] if self.dtype == torch.float32 else None
 
 
 class Fp4KV:
@@ -116,6 +125,9 @@ class Fp4KV:
         scales = self.scales.index_select(2, slots).view(torch.float8_e4m3fn).float()
         out = values.view(two, hkv, n, d // self.BLOCK, self.BLOCK) * scales.unsqueeze(-1)
         return out.view(two, hkv, n, d).to(self.dtype)
+
+    def native(self) -> None:
+        return None  # not in the C++ decode step yet: the Python layers dequantize it
 
 
 STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV}

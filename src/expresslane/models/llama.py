@@ -147,13 +147,12 @@ def build_decode_stack(model: LlamaModel):
     linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if not linears or any(m.kernel_weights() is None for m in linears):
         return None
-    if any(layer.attn.kv.tensor is None for layer in layers):
-        return None  # compressed KV: the Python layers dequantize it
+    caches = [layer.attn.kv.native() for layer in layers]
+    if any(c is None for c in caches):
+        return None  # a KV store the native step does not read: the Python layers run
     cfg = model.cfg
-    if layers[0].attn.kv.tensor.dtype != torch.float32 or any(
-        n % 8 for n in (cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
-    ):
-        return None  # the native step computes in float32 over rows of multiples of 8
+    if any(n % 8 for n in (cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)):
+        return None  # the native step works on rows of multiples of 8
     from expresslane.kernels import cpu_kernels
 
     fp4 = [m for m in linears if hasattr(m, "fmt")]
@@ -162,7 +161,7 @@ def build_decode_stack(model: LlamaModel):
     stack = cpu_kernels().DecodeStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
     )
-    for layer in layers:
+    for layer, cache in zip(layers, caches, strict=True):
         stack.add_layer(
             layer.input_norm.weight,
             layer.post_norm.weight,
@@ -170,7 +169,7 @@ def build_decode_stack(model: LlamaModel):
             None if layer.k_norm is None else layer.k_norm.weight,
             [m.kernel_weights() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
             layer.qkv.bias,
-            layer.attn.kv.tensor,
+            cache,
             block,
             kind,
         )
