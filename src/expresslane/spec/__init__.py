@@ -89,8 +89,8 @@ def best_length(
 
 
 def proposal_length(acceptance: float, max_tokens: int) -> int:
-    """Before step costs are known: about the expected run of accepted
-    ones, a/(1-a) (1 at a=0.5, 4 at a=0.8), at least 1 so the rate keeps being measured."""
+    """Guesses before step costs are known: about the expected run of accepted ones, a/(1-a)
+    (1 at a=0.5, 4 at a=0.8), at least 1 so the rate keeps being measured."""
     if acceptance >= 0.95:
         return max_tokens
     return max(1, min(max_tokens, round(acceptance / (1 - acceptance))))

@@ -113,8 +113,10 @@ class DraftModelProposer:
         """Every guess of every shadow in one native call, when each has only a few unseen
         tokens (the usual case after the first proposal: the accepted guesses and the target's
         own token). False if unavailable or out of blocks: the step loop runs instead."""
-        if not self.model.native_greedy or any(
-            s.num_tokens - s.num_computed_tokens > NATIVE_CATCH_UP for s in shadows
+        if (
+            not shadows
+            or not self.model.native_greedy
+            or any(s.num_tokens - s.num_computed_tokens > NATIVE_CATCH_UP for s in shadows)
         ):
             return False
         steps = max(lengths)
