@@ -125,7 +125,7 @@ QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t bl
 
 // Eight scale bytes -> eight floats, halved to undo the doubled E2M1 table. Block scales are
 // nonnegative. E4M3: normal values by moving the bits into place, subnormals (exponent 0,
-// value m / 512) by conversion. E8M0: 2^(e - 128), with e <= 1 (below 2^-126) read as 0 and
+// value m / 512) by conversion. E8M0: 2^(e - 128), with e <= 1 (2^-126 and less) read as 0 and
 // e = 255 (NaN) as 2^127.
 inline __m256 decode_scales8(const uint8_t* p, int64_t kind) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
