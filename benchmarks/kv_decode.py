@@ -1,6 +1,6 @@
-"""Batch-1 decode speed with a compressed KV cache: plain float32 KV, FP8 KV in the native
-decode step, and FP8 KV through the Python layers (the path before the native step read FP8),
-same run, modes interleaved over rounds (median reported).
+"""Batch-1 decode speed with a compressed KV cache: plain float32 KV, FP8 and FP4 KV in the
+native decode step, and FP8 KV through the Python layers (the path before the native step read
+compressed KV), same run, modes interleaved over rounds (median reported).
 
 Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt 128, 64 new tokens.
 
@@ -29,6 +29,7 @@ def main() -> None:
     llms = {
         "plain": LLM(path, max_model_len=1024),
         "fp8_native": LLM(path, max_model_len=1024, kv_cache_dtype="fp8"),
+        "fp4_native": LLM(path, max_model_len=1024, kv_cache_dtype="fp4"),
         "fp8_python_layers": LLM(path, max_model_len=1024, kv_cache_dtype="fp8"),
     }
     llms["fp8_python_layers"].engine.model.decode_stack = None

@@ -106,9 +106,9 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3])  # decode, speculative verification
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4"])
 def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len, kv_dtype):
-    """The C++ decode step (fused norms, RoPE and paged attention, over a float32 or an FP8
+    """The C++ decode step (fused norms, RoPE and paged attention, over a float32, FP8 or FP4
     cache) against the Python layers, at the tensor level: sequences of different lengths in
     one padded batch."""
     from types import SimpleNamespace
@@ -145,6 +145,9 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
     with torch.inference_mode():
         for layer in model.layers:
             ref = layer(ref, cos, sin, meta)
+        written = [
+            [t[:, :, meta.slot_mapping].clone() for t in s.native()] for s in runner.kv_caches
+        ]
         out = model.decode_stack.forward(
             x,
             cos,
@@ -156,3 +159,12 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
             meta.decode_starts,
         )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    # the new tokens' K/V as the native step stored them: the store's own encoding (a rare
+    # byte may differ where the two paths' float K/V straddle a rounding boundary)
+    for store, python_written in zip(runner.kv_caches, written, strict=True):
+        for mine, theirs in zip(store.native(), python_written, strict=True):
+            mine = mine[:, :, meta.slot_mapping]
+            if mine.dtype == torch.uint8:
+                assert (mine != theirs).float().mean() <= 0.01
+            else:
+                torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-4, rtol=1e-3)

@@ -47,11 +47,23 @@ struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms undefined unless Qwen3
   Linear qkv, o, gate_up, down;
   // float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
-  // [2, Hkv, slots, 1] (models/kv_store.py Fp8KV)
+  // [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes [2, Hkv, slots, D/2] + E4M3 scales per 16
+  // values [2, Hkv, slots, D/16] (models/kv_store.py Fp8KV, Fp4KV)
   std::vector<torch::Tensor> kv;
-  bool fp8() const { return kv.size() == 2; }
+  int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
   int64_t slots() const { return kv[0].size(2); }
 };
+
+constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+// The E2M1 code of v as quant/formats.py e2m1_encode: nearest value, ties to the even code.
+inline uint8_t e2m1_code(float v) {
+  static constexpr float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const float mag = std::fabs(v);
+  uint8_t index = 0;
+  for (int k = 0; k < 7; ++k) index += (k % 2) ? (mag >= mid[k]) : (mag > mid[k]);
+  return index | (std::signbit(v) ? 8 : 0);
+}
 
 // E4M3 byte -> float, as torch converts float8_e4m3fn.
 const float* e4m3_table() {
@@ -74,20 +86,21 @@ class DecodeStack {
   }
 
   // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
-  // fp4_block / fp4_scale_kind describe the FP4 ones. kv: the layer's cache (see Layer::kv).
+  // fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (Layer::kv).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
-                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t fp4_block,
-                 int64_t fp4_scale_kind) {
+                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t kind,
+                 int64_t fp4_block, int64_t fp4_scale_kind) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
-    TORCH_CHECK(kv.size() == 1 || kv.size() == 2, "kv: [float32 cache] or [E4M3 bytes, float16 scales]");
-    const auto values_dtype = kv.size() == 1 ? torch::kFloat32 : torch::kUInt8;
-    TORCH_CHECK(kv[0].dtype() == values_dtype && kv[0].is_contiguous() && kv[0].dim() == 4 && kv[0].size(0) == 2 &&
-                    kv[0].size(1) == Hkv && kv[0].size(3) == D,
-                "kv values: contiguous [2, Hkv, slots, D]");
-    TORCH_CHECK(kv.size() == 1 || (kv[1].dtype() == torch::kFloat16 && kv[1].is_contiguous() &&
-                                   kv[1].numel() == kv[0].numel() / D),
-                "kv scales: contiguous float16 [2, Hkv, slots, 1]");
+    TORCH_CHECK(kv.size() == (kind == 0 ? 1u : 2u) && kind >= 0 && kind <= 2, "kv: [cache] or [values, scales]");
+    TORCH_CHECK(kv[0].is_contiguous() && kv[0].dim() == 4 && kv[0].size(0) == 2 && kv[0].size(1) == Hkv &&
+                    kv[0].size(3) == (kind == 2 ? D / 2 : D) &&
+                    kv[0].dtype() == (kind == 0 ? torch::kFloat32 : torch::kUInt8),
+                "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
+    TORCH_CHECK(kind == 0 || (kv[1].is_contiguous() && kv[1].size(2) == kv[0].size(2) &&
+                              kv[1].dtype() == (kind == 1 ? torch::kFloat16 : torch::kUInt8) &&
+                              kv[1].size(3) == (kind == 1 ? 1 : D / 16)),
+                "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
     TORCH_CHECK(input_norm.numel() % 8 == 0, "hidden size a multiple of 8");
     auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32).contiguous(); };
     Layer l;
@@ -97,7 +110,8 @@ class DecodeStack {
     if (k_norm) l.k_norm = f32(*k_norm);
     Linear* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (int i = 0; i < 4; ++i) *dst[i] = {linears[i], i == 0 ? qkv_bias : c10::nullopt, fp4_block, fp4_scale_kind};
-    l.kv = kv;
+    l.kv = {kv[0], kind == 0 ? torch::Tensor() : kv[1]};
+    l.kind = kind;
     layers.push_back(l);
   }
 
@@ -218,17 +232,30 @@ class DecodeStack {
         for (int64_t h = 0; h < Hkv; ++h) {
           const float* src = qkv + t * qkv_width() + (H + kv * Hkv + h) * D;
           const int64_t row = (kv * Hkv + h) * S + slots[t];
-          if (!l.fp8()) {
+          if (l.kind == 0) {
             std::memcpy(l.kv[0].data_ptr<float>() + row * D, src, D * sizeof(float));
-            continue;
+          } else if (l.kind == 1) {  // as Fp8KV.write: scale = half(max(amax / 448, 1e-8))
+            float amax = 0.0f;
+            for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
+            const c10::Half scale(std::max(amax / 448.0f, 1e-8f));
+            l.kv[1].data_ptr<c10::Half>()[row] = scale;
+            uint8_t* dst = l.kv[0].data_ptr<uint8_t>() + row * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(src[i] / static_cast<float>(scale)).x;
+          } else {  // as Fp4KV.write: per 16 values, scale = e4m3(min(amax / 6, 448))
+            uint8_t* codes = l.kv[0].data_ptr<uint8_t>() + row * (D / 2);
+            uint8_t* scales = l.kv[1].data_ptr<uint8_t>() + row * (D / 16);
+            for (int64_t blk = 0; blk < D / 16; ++blk) {
+              const float* x = src + 16 * blk;
+              float amax = 0.0f;
+              for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[i]));
+              const c10::Float8_e4m3fn scale(std::min(amax / 6.0f, 448.0f));
+              scales[blk] = scale.x;
+              const float s = static_cast<float>(scale);
+              for (int i = 0; i < 16; i += 2)
+                codes[8 * blk + i / 2] = e2m1_code(s > 0 ? x[i] / s : 0.0f) |
+                                         (e2m1_code(s > 0 ? x[i + 1] / s : 0.0f) << 4);
+            }
           }
-          // as Fp8KV.write: scale = half(max(amax / 448, 1e-8)), bytes = e4m3(x / scale)
-          float amax = 0.0f;
-          for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
-          const c10::Half scale(std::max(amax / 448.0f, 1e-8f));
-          l.kv[1].data_ptr<c10::Half>()[row] = scale;
-          uint8_t* dst = l.kv[0].data_ptr<uint8_t>() + row * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(src[i] / static_cast<float>(scale)).x;
         }
   }
 
@@ -236,11 +263,21 @@ class DecodeStack {
   // dequantized into buf.
   const float* kv_row(const Layer& l, int64_t kv, int64_t h, int64_t slot, float* buf) const {
     const int64_t row = (kv * Hkv + h) * l.slots() + slot;
-    if (!l.fp8()) return l.kv[0].data_ptr<float>() + row * D;
-    const uint8_t* bytes = l.kv[0].data_ptr<uint8_t>() + row * D;
-    const float scale = static_cast<float>(l.kv[1].data_ptr<c10::Half>()[row]);
-    const float* table = e4m3_table();
-    for (int64_t i = 0; i < D; ++i) buf[i] = table[bytes[i]] * scale;
+    if (l.kind == 0) return l.kv[0].data_ptr<float>() + row * D;
+    const float* e4m3 = e4m3_table();
+    if (l.kind == 1) {
+      const uint8_t* bytes = l.kv[0].data_ptr<uint8_t>() + row * D;
+      const float scale = static_cast<float>(l.kv[1].data_ptr<c10::Half>()[row]);
+      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
+      return buf;
+    }
+    const uint8_t* codes = l.kv[0].data_ptr<uint8_t>() + row * (D / 2);
+    const uint8_t* scales = l.kv[1].data_ptr<uint8_t>() + row * (D / 16);
+    for (int64_t i = 0; i < D; i += 2) {
+      const float scale = e4m3[scales[i / 16]];
+      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
+      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
+    }
     return buf;
   }
 

@@ -10,9 +10,8 @@ slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute 
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
   NVFP4's block layout without the tensor scale: D/2 + D/16 bytes (72% less than bf16).
 
-Compressed stores dequantize what they read. The C++ decode step writes and reads FP8 rows
-itself (dequantized inside its attention loop); FP4 is dequantized in PyTorch, so with it the
-Python layers run (a trade of memory for speed).
+Compressed stores dequantize what they read. The C++ decode step writes and reads their rows
+itself, with the same rounding, and dequantizes them inside its attention loop.
 """
 
 from __future__ import annotations
@@ -53,6 +52,8 @@ class PlainKV:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self.tensor.index_select(2, slots)
 
+    NATIVE_KIND = 0  # how kernels/decode_cpu.cpp reads the tensors of `native()`
+
     def native(self) -> list[torch.Tensor] | None:
         """What the C++ decode step reads (it computes in float32), or None."""
         return [self.tensor] if self.tensor.dtype == torch.float32 else None
@@ -83,6 +84,8 @@ class Fp8KV:
     def read(self, slots) -> torch.Tensor:
         values = self.values.index_select(2, slots).view(torch.float8_e4m3fn).float()
         return (values * self.scales.index_select(2, slots).float()).to(self.dtype)
+
+    NATIVE_KIND = 1
 
     def native(self) -> list[torch.Tensor] | None:
         """The C++ decode step writes and reads these the same way (kernels/decode_cpu.cpp)."""
@@ -126,8 +129,11 @@ class Fp4KV:
         out = values.view(two, hkv, n, d // self.BLOCK, self.BLOCK) * scales.unsqueeze(-1)
         return out.view(two, hkv, n, d).to(self.dtype)
 
-    def native(self) -> None:
-        return None  # not in the C++ decode step yet: the Python layers dequantize it
+    NATIVE_KIND = 2
+
+    def native(self) -> list[torch.Tensor] | None:
+        """The C++ decode step writes and reads these the same way (kernels/decode_cpu.cpp)."""
+        return [self.codes, self.scales] if self.dtype == torch.float32 else None
 
 
 STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV}

@@ -170,6 +170,7 @@ def build_decode_stack(model: LlamaModel):
             [m.kernel_weights() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
             layer.qkv.bias,
             cache,
+            layer.attn.kv.NATIVE_KIND,
             block,
             kind,
         )
