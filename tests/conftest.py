@@ -88,6 +88,16 @@ def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     return out
 
 
+def bf16_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint at `src` saved again in bf16 by `transformers` (the format the CPU
+    kernels and the native decode step take)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model.save_pretrained(dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

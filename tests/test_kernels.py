@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from expresslane.kernels import cpu_kernels
 from expresslane.models.layers import Linear
 
+from .conftest import bf16_copy
+
 kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels here")
 
@@ -113,13 +115,10 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
     one padded batch."""
     from types import SimpleNamespace
 
-    import transformers
-
     from expresslane import LLM
     from expresslane.models.attention import AttentionMetadata
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.bfloat16)
-    hf.save_pretrained(tmp_path)  # bf16 weights: the kernels' format
+    bf16_copy(checkpoints[arch], tmp_path)
     engine = LLM(str(tmp_path), kv_cache_dtype=kv_dtype).engine
     model, runner = engine.model, engine.runner
     assert model.decode_stack is not None

@@ -10,7 +10,7 @@ from expresslane.kernels import cpu_kernels
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
-from .conftest import ARCH_CONFIGS, random_prompts
+from .conftest import ARCH_CONFIGS, bf16_copy, random_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,8 +75,7 @@ def test_greedy_matches_transformers(checkpoints, arch, options):
 def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, checkpoints, arch):
     """On CPU, dtype="auto" may keep bf16 linear weights for the small-batch kernels (and the
     C++ decode step); the result must equal float32 compute over the same bf16 weights."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.bfloat16)
-    hf.save_pretrained(tmp_path / "bf16")
+    bf16_copy(checkpoints[arch], tmp_path / "bf16")
     prompts = random_prompts(4, 5, 40, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     auto = LLM(str(tmp_path / "bf16"), max_batch=3)  # batches of 3, then 1: mixed lengths

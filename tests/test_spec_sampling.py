@@ -3,7 +3,6 @@ sampled outputs keep the target's distribution (chi-square tests at fixed contex
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -16,7 +15,7 @@ from expresslane import LLM, SamplingParams
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler
 
-from .conftest import random_prompts
+from .conftest import bf16_copy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +85,8 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
     """bf16 weights put the draft on the native decode step, whose greedy loop catches up on
     the unseen tokens and makes every guess in one call; its guesses must be the Python step
     loop's, also after the target accepted part of them (KV trimmed and caught up)."""
-    for src, name in ((llama_dir, "target"), (draft_dir, "draft")):
-        shutil.copytree(src, tmp_path / name)
-        weights = {k: v.bfloat16() for k, v in load_file(src / "model.safetensors").items()}
-        save_file(weights, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        config["dtype"] = config["torch_dtype"] = "bfloat16"
-        (tmp_path / name / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(tmp_path / "target"), speculative=_spec(tmp_path / "draft"))
+    target = bf16_copy(llama_dir, tmp_path / "target")
+    llm = LLM(str(target), speculative=_spec(bf16_copy(draft_dir, tmp_path / "draft")))
     draft = llm.engine.proposers[1].proposer
     assert draft.model.native_greedy
     prompts = random_prompts(5, 4, 40, seed=43)
