@@ -1,7 +1,10 @@
 // Helpers shared by the small-batch linear kernels.
 #pragma once
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
+
+#include <array>
 
 namespace expresslane {
 
@@ -10,6 +13,17 @@ inline float hsum(__m256 v) {
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
+}
+
+// E4M3 byte -> float, as torch converts float8_e4m3fn.
+inline const float* e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return t.data();
 }
 
 // The bias as float32 (kept alive in `holder`), or nullptr.

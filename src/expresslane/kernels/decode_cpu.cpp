@@ -17,7 +17,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -42,6 +41,7 @@ struct Linear {
 };
 
 namespace ops = expresslane::ops;
+using expresslane::e4m3_table;
 
 struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms undefined unless Qwen3
@@ -63,17 +63,6 @@ inline uint8_t e2m1_code(float v) {
   uint8_t index = 0;
   for (int k = 0; k < 7; ++k) index += (k % 2) ? (mag >= mid[k]) : (mag > mid[k]);
   return index | (std::signbit(v) ? 8 : 0);
-}
-
-// E4M3 byte -> float, as torch converts float8_e4m3fn.
-const float* e4m3_table() {
-  static const std::array<float, 256> t = [] {
-    std::array<float, 256> v{};
-    for (int i = 0; i < 256; ++i)
-      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-    return v;
-  }();
-  return t.data();
 }
 
 }  // namespace

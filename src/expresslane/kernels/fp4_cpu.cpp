@@ -11,7 +11,6 @@
 // expanded in memory, so a decode step reads 4.25-4.5 bits per weight instead of 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -31,8 +30,7 @@ const float* scale_table(int64_t kind) {
     std::array<std::array<float, 256>, 2> t{};
     for (int i = 0; i < 256; ++i) {
       t[0][i] = i == 255 ? NAN : std::ldexp(0.5f, i - 127);
-      const c10::Float8_e4m3fn e4m3(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits());
-      t[1][i] = 0.5f * static_cast<float>(e4m3);
+      t[1][i] = 0.5f * expresslane::e4m3_table()[i];
     }
     return t;
   }();
