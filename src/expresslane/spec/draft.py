@@ -75,16 +75,16 @@ class DraftModelProposer:
 
     def propose(self, requests: list[Request], lengths: list[int]) -> list[Proposal]:
         shadows = [self._sync(r) for r in requests]
-        guesses: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
         greedy = [r.params.greedy for r in requests]
-        active = list(range(len(requests)))
-        index = {id(s): i for i, s in enumerate(shadows)}
         if all(greedy) and self._greedy_native(shadows, lengths):
             return [
                 Proposal(s.token_ids[len(s.token_ids) - n :], None)
                 for s, n in zip(shadows, lengths, strict=True)
             ]
+        guesses: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        index = {id(s): i for i, s in enumerate(shadows)}
         while active:
             items = []
             for i in active:
