@@ -19,19 +19,22 @@ Recipe
    ``decode(skip_special_tokens=True)``, as in Qwen2.5). The chat template is ChatML with
    Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``).
 3. Training mix, rebuilt for every epoch with a seed derived from ``--seed`` and the epoch:
-   (a) plain code (about 45% of tokens): the train files, shuffled, each followed by
-   ``<|endoftext|>``; (b) whole functions (about 15%): functions and methods with docstrings,
-   dedented, each its own document ending in ``<|endoftext|>`` (teaches where a function ends);
-   (c) instructions (about 12%): the same functions; the user asks for ``name(args)`` described
-   by the docstring's first paragraph (varied phrasings), the assistant answers with the function
-   source in a single ```python block; (d) agent tool use (about 28%): conversations of 1-3
-   requests; the tools ``read_file``,
-   ``run_tests``, ``write_file`` and ``list_dir`` are offered; the user asks to read / explain /
-   test / fix a real train file or to list a folder; the assistant calls the right tool, a
-   ``tool`` message returns a realistic result (a short excerpt of the real file, a real folder
-   listing, a pytest-like summary) and the assistant gives a short grounded answer. All
-   documents are shuffled together, concatenated and cut into
-   windows of 1024 tokens (+1 for the shifted labels). Loss on every token.
+   (a) plain code (30% of tokens): the train files, shuffled, each followed by
+   ``<|endoftext|>``; (b) whole short functions (25%): functions and methods with docstrings
+   and at most 15 lines after the docstring, dedented, each its own document ending in
+   ``<|endoftext|>`` (teaches where a function ends); (c) instructions (12%): the user asks for
+   ``name(args)`` described by the docstring's first paragraph (varied phrasings), the assistant
+   answers with the function source in a single ```python block; (d) agent tool use (33%):
+   conversations of 1-2 requests; the tools ``read_file``, ``run_tests``, ``write_file`` and
+   ``list_dir`` are offered; the user asks to read / explain / test / fix a real train file or
+   to list a folder; the assistant calls the right tool, a ``tool`` message returns a realistic
+   result (a 3-8 line excerpt of the real file, a real folder listing, a pytest-like summary)
+   and the assistant gives a short grounded answer. All documents are shuffled together,
+   concatenated and cut into windows of 1024 tokens (+1 for the shifted labels). Loss on every
+   token. Annealing: the last 25% of each model's steps (the tail of the learning-rate decay)
+   read a second stream built the same way but weighted toward the tasks (10% code files drawn
+   at random, 35% short functions, 15% instructions, 40% tool use); the step where it starts
+   follows from the schedule, so a replay anneals at the same step.
 4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
    2048 positions, trained at sequence length 1024 (precision: see 5.), AdamW (0.9, 0.95, wd 0.1),
    linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
@@ -91,7 +94,14 @@ SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-MIX = {"code": 0.35, "function": 0.22, "instruct": 0.13, "tool": 0.30}  # share of training tokens
+MIX = {"code": 0.30, "function": 0.25, "instruct": 0.12, "tool": 0.33}  # share of training tokens
+# The last ANNEAL_FRACTION of each model's steps (while the learning rate decays) draw from a
+# stream weighted toward the tasks the model is for: writing short functions, answering chats,
+# calling tools. Code files are sampled into it until they make their share.
+ANNEAL_MIX = {"code": 0.10, "function": 0.35, "instruct": 0.15, "tool": 0.40}
+ANNEAL_FRACTION = 0.25
+ANNEAL_EPOCH_TOKENS = 2_000_000
+SHORT_FUNCTION_LINES = 15  # whole-function documents have at most this many lines after the doc
 
 MODEL_SHAPES = {
     "target": dict(
@@ -452,6 +462,10 @@ READ_ASKS = [
     "Look at {p} and tell me what it defines.",
     "Let me see the contents of {p}.",
     "Can you read {p} and summarize it?",
+    "Display {p}.",
+    "Dump {p} here.",
+    "I want to look at {p}.",
+    "What does {p} contain?",
 ]
 EXPLAIN_ASKS = [
     "Explain what {p} does.",
@@ -468,6 +482,11 @@ TEST_ASKS = [
     "Check that {p} still passes its tests.",
     "Please run the test suite for {p}.",
     "Run tests on {p} and tell me the result.",
+    "Kick off the tests for {p}.",
+    "Are {p}'s tests passing?",
+    "Run pytest on {p}.",
+    "Does {p} pass its test suite?",
+    "Check whether the tests of {p} fail.",
 ]
 FIX_ASKS = [
     "There's a bug in `{f}` in {p}. Can you fix it?",
@@ -511,6 +530,9 @@ class ExampleFactory:
                 ):
                     self.functions.append(fn)
             self.defs[f] = top_level_defs(sources[f])
+        self.short_functions = [
+            fn for fn in self.functions if fn["body_lines"] <= SHORT_FUNCTION_LINES
+        ]
         self.func_files = [
             f for f in self.files if any(k == "function" for k, _, _ in self.defs[f])
         ]
@@ -568,12 +590,12 @@ class ExampleFactory:
 
     # (b') whole functions as their own documents --------------------------------------------
     def function(self, rng: random.Random) -> str:
-        return rng.choice(self.functions)["source"] + "\n"
+        return rng.choice(self.short_functions)["source"] + "\n"
 
     # (c) tool use ---------------------------------------------------------------------------
     def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
         lines = self.sources[rel].splitlines()
-        n = rng.randint(4, 12)
+        n = rng.randint(3, 8)
         text = "\n".join(lines[start : start + n])
         while len(text) > 600 and n > 3:
             n -= 3
@@ -663,7 +685,7 @@ class ExampleFactory:
 
     def exchange(self, rng: random.Random, msgs: list[dict]) -> None:
         kind = rng.choices(
-            ["read", "explain", "test", "fix", "list", "read2"], weights=[28, 14, 26, 12, 13, 7]
+            ["read", "explain", "test", "fix", "list", "read2"], weights=[26, 12, 34, 10, 12, 6]
         )[0]
         rel = rng.choice(self.func_files if kind == "fix" else self.files)
         path = self.show_path(rng, rel)
@@ -826,36 +848,49 @@ class Data:
                 total += len(e.ids) + 1
         return out
 
-    def epoch(self, e: int):
-        """Token stream of epoch ``e`` (int16 tensor), built deterministically and cached."""
+    def epoch(self, e: int, stream: str = "main"):
+        """Token stream of epoch ``e`` (int16 tensor), built deterministically and cached.
+
+        ``main``: every train file once plus the other kinds in ``MIX`` proportion to them.
+        ``anneal``: ``ANNEAL_EPOCH_TOKENS`` tokens in ``ANNEAL_MIX`` proportions, code files
+        drawn at random until they make their share.
+        """
         import torch
 
-        if e in self.epochs:
-            return self.epochs[e]
-        path = self.work / f"epoch_{e}.pt"
+        key = (stream, e)
+        if key in self.epochs:
+            return self.epochs[key]
+        path = self.work / (f"epoch_{e}.pt" if stream == "main" else f"{stream}_{e}.pt")
         if path.exists():
             blob = torch.load(path)
         else:
             t0 = time.time()
             if self.factory is None:
                 self.factory = ExampleFactory(self.sources)
-            rng = random.Random(f"{self.seed}-epoch-{e}")
-            unit = self.code_tokens / MIX["code"]
-            docs = [("code", v.tolist()) for _, v in sorted(self.code.items())]
-            docs += [
-                ("instruct", ids)
-                for ids in self._examples(rng, self.factory.instruct, int(unit * MIX["instruct"]))
+            rng = random.Random(f"{self.seed}-{'' if stream == 'main' else stream + '-'}epoch-{e}")
+            mix = MIX if stream == "main" else ANNEAL_MIX
+            code = [v.tolist() for _, v in sorted(self.code.items())]
+            if stream == "main":
+                total = self.code_tokens / mix["code"]
+            else:
+                total = ANNEAL_EPOCH_TOKENS
+                rng.shuffle(code)
+                budget, kept = mix["code"] * total, []
+                for ids in code:
+                    if budget <= 0:
+                        break
+                    kept.append(ids)
+                    budget -= len(ids) + 1
+                code = kept
+            docs = [("code", ids) for ids in code]
+            makers = [
+                ("instruct", self.factory.instruct, True),
+                ("function", self.factory.function, False),
+                ("tool", self.factory.tool_use, True),
             ]
-            docs += [
-                ("function", ids)
-                for ids in self._examples(
-                    rng, self.factory.function, int(unit * MIX["function"]), chat=False
-                )
-            ]
-            docs += [
-                ("tool", ids)
-                for ids in self._examples(rng, self.factory.tool_use, int(unit * MIX["tool"]))
-            ]
+            for kind, make, chat in makers:
+                budget = int(total * mix[kind])
+                docs += [(kind, ids) for ids in self._examples(rng, make, budget, chat)]
             rng.shuffle(docs)
             stats = {k: 0 for k in MIX}
             counts = {k: 0 for k in MIX}
@@ -870,25 +905,25 @@ class Data:
                 "stats": {"tokens": stats, "documents": counts},
             }
             torch.save(blob, path)
-            log(f"epoch {e} data: {len(flat):,} tokens {stats} in {time.time() - t0:.0f}s")
-        self.epochs[e] = blob["tokens"]
-        self.epoch_stats[e] = blob["stats"]
-        return self.epochs[e]
+            log(f"{stream} epoch {e}: {len(flat):,} tokens {stats} in {time.time() - t0:.0f}s")
+        self.epochs[key] = blob["tokens"]
+        self.epoch_stats[key] = blob["stats"]
+        return self.epochs[key]
 
-    def batch(self, step: int, batch: int):
-        """Sequences ``step*batch ...`` of the concatenated epochs, SEQ_LEN+1 tokens each."""
+    def batch(self, index: int, batch: int, stream: str = "main"):
+        """Sequences ``index*batch ...`` of a stream's epochs, SEQ_LEN+1 tokens each."""
         import torch
 
         rows = []
-        for i in range(step * batch, (step + 1) * batch):
+        for i in range(index * batch, (index + 1) * batch):
             e = 0
             while True:
-                n = (len(self.epoch(e)) - 1) // SEQ_LEN
+                n = (len(self.epoch(e, stream)) - 1) // SEQ_LEN
                 if i < n:
                     break
                 i -= n
                 e += 1
-            rows.append(self.epoch(e)[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1].long())
+            rows.append(self.epoch(e, stream)[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1].long())
         return torch.stack(rows)
 
 
@@ -992,7 +1027,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
-    step, elapsed, losses = 0, 0.0, []
+    step, elapsed, losses, anneal_from = 0, 0.0, [], None
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False, map_location=args.device)
         if not adaptive and state["plan"] != plan[: len(state["plan"])]:
@@ -1003,6 +1038,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
+        anneal_from = state.get("anneal_from")
         if adaptive:
             plan = state["plan"]
         log(f"{name}: resumed at step {step} (plan {format_plan(plan)}, {elapsed:.0f}s done)")
@@ -1014,7 +1050,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
 
     def checkpoint():
         state = dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step)
-        state.update(elapsed=elapsed, losses=losses, plan=plan)
+        state.update(elapsed=elapsed, losses=losses, plan=plan, anneal_from=anneal_from)
         save_checkpoint(ckpt_path, state)
 
     model.train()
@@ -1028,7 +1064,14 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         lr = lr_at(step, total or 10**9, hp["lr"], hp["warmup"])
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = data.batch(step, hp["batch"]).to(args.device)
+        if anneal_from is None and total is not None and step >= (1 - ANNEAL_FRACTION) * total:
+            anneal_from = step  # a function of the plan, so a replay anneals at the same step
+            log(f"{name}: annealing on the task-weighted stream from step {step}")
+        if anneal_from is None:
+            batch = data.batch(step, hp["batch"])
+        else:
+            batch = data.batch(step - anneal_from, hp["batch"], "anneal")
+        batch = batch.to(args.device)
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(
@@ -1080,6 +1123,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         default_batch=2 if args.smoke else TRAIN_DEFAULTS[name]["batch"],
         seq_len=SEQ_LEN,
         tokens_seen=step * hp["batch"] * SEQ_LEN,
+        anneal_from_step=anneal_from,
         peak_lr=hp["lr"],
         warmup_steps=hp["warmup"],
         precision="bf16 autocast" if use_bf16 else "fp32",
@@ -1214,6 +1258,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     data = Data(args, work)
     data.epoch(0)  # later epochs are built when (if) training reaches them
+    data.epoch(0, "anneal")
     prep_seconds = time.time() - t_start
     results = {}
     for name in ("target", "draft"):
@@ -1222,11 +1267,20 @@ def main(argv: list[str] | None = None) -> None:
         res = train_model(name, data, args, fixed)
         model = res.pop("model").to("cpu")
         save_model(model, work / "tokenizer", args.out_dir / name, data.tokenizer)
-        res["epochs_touched"] = sorted(data.epochs)
+        res["epochs_touched"] = [f"{s}_{e}" for s, e in sorted(data.epochs)]
         results[name] = res
         log(f"{name}: saved to {args.out_dir / name}")
         del model
-    tokens = {k: sum(data.epoch_stats[e]["tokens"][k] for e in data.epoch_stats) for k in MIX}
+    tokens = {
+        stream: {
+            "epochs": sorted(e for s, e in data.epoch_stats if s == stream),
+            **{
+                k: sum(v["tokens"][k] for (s, _), v in data.epoch_stats.items() if s == stream)
+                for k in MIX
+            },
+        }
+        for stream in sorted({s for s, _ in data.epoch_stats})
+    }
     meta = dict(
         seed=args.seed,
         command=command,
@@ -1249,7 +1303,8 @@ def main(argv: list[str] | None = None) -> None:
             added_tokens=TOOL_TOKENS,
         ),
         mix_target_share=MIX,
-        data_tokens_built={"epochs": sorted(data.epoch_stats), **tokens},
+        anneal=dict(mix=ANNEAL_MIX, last_fraction_of_steps=ANNEAL_FRACTION),
+        data_tokens_built=tokens,
         models=results,
         corpus=data.meta,
     )
