@@ -50,8 +50,12 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernels
-# K a multiple of 32: the integer path; NVFP4 with K = 80 (five 16-blocks): the float path
-@pytest.mark.parametrize(("fmt_name", "k"), [("nvfp4", 192), ("mxfp4", 192), ("nvfp4", 80)])
+# K a multiple of 32: the integer path (K = 224: three pairs of 32-groups and one unpaired);
+# NVFP4 with K = 80 (five 16-blocks): the float path
+@pytest.mark.parametrize(
+    ("fmt_name", "k"),
+    [("nvfp4", 192), ("mxfp4", 192), ("nvfp4", 224), ("mxfp4", 224), ("nvfp4", 80)],
+)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, k, m, bias):

@@ -79,30 +79,34 @@ inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scal
 
 // The integer path, used when K is a multiple of 32, as llama.cpp does for Q4_0 x Q8_0:
 // activations are quantized to int8 per 32 values (scale amax/127, round to nearest) once
-// per call, and each 32-weight group is one byte shuffle plus one unsigned x signed byte dot
-// product (vpmaddubsw). Its error against the float path is the activation rounding, about
-// 0.2% of a dot product. Three layout choices keep a group at ~15 instructions:
+// per call, and weights meet them in unsigned x signed byte dot products (vpmaddubsw). Its
+// error against the float path is the activation rounding, about 0.2% of a dot product.
+// Layout choices keep a pair of 32-weight groups at ~15 instructions:
+// - two groups (32 code bytes) are expanded per 256-bit load: the low nibbles give the even
+//   elements of both groups, the high nibbles the odd ones, one byte shuffle each; nibbles
+//   are never re-interleaved, the activations are stored in that order instead
+//   ([even j | even j+1 | odd j | odd j+1] per pair; a last unpaired group [even | odd]);
 // - the shuffle table holds the doubled E2M1 values + 12 (0..24, unsigned, as vpmaddubsw
-//   wants); the + 12 comes back out as 12 x the activations' lane sums, precomputed per call;
-// - nibbles are not re-interleaved: a group expands to [even elements | odd elements], and the
-//   activations are stored in that order;
+//   wants); the + 12 comes back out as 12 x the activations' sums per int32 lane,
+//   precomputed per call;
 // - a row's block scales are decoded eight at a time, and multiplied by the activations'
-//   scales, before its groups are visited: a group then needs one scale load.
+//   scales, before its groups are visited: a pair then needs one scale load.
 constexpr int kOffset = 12;
 alignas(16) const int8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-// Quantized activations of one call: per row, values in expansion order, 12 x the sums of each
-// int32 lane's four values, and the scale of each weight block's activations (the per-32
-// scale, repeated for both 16-blocks of a group under NVFP4).
+// Quantized activations of one call: per row, values in expansion order, 12 x the sums of the
+// values each int32 lane of the dot product covers (8 per group), and the scale of each weight
+// block's activations (the per-32 scale, repeated for both 16-blocks of a group under NVFP4).
 struct QuantizedX {
   std::vector<int8_t> q;      // [M, K]
-  std::vector<int32_t> corr;  // [M, K/32, 8]
+  std::vector<int32_t> corr;  // [M, K/32, 8]; a pair of groups uses the first group's 8
   std::vector<float> scale;   // [M, K/block rounded up to 8]
 };
 
 QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
   const int64_t groups = K / 32, per_group = 32 / block, n8 = (K / block + 7) / 8 * 8;
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<int32_t>(M * groups * 8), std::vector<float>(M * n8)};
+  std::array<int8_t, 32> v8;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < groups; ++j) {
       const float* v = x + m * K + 32 * j;
@@ -110,13 +114,24 @@ QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t bl
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       for (int64_t b = 0; b < per_group; ++b) out.scale[m * n8 + j * per_group + b] = amax / 127.0f;
-      int8_t* q = out.q.data() + m * K + 32 * j;
-      for (int i = 0; i < 16; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(v[2 * i] * inv));
-        q[16 + i] = static_cast<int8_t>(std::nearbyint(v[2 * i + 1] * inv));
+      for (int i = 0; i < 32; ++i) v8[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      int8_t* q = out.q.data() + m * K;
+      int32_t* corr = out.corr.data() + (m * groups + (j & ~int64_t{1})) * 8;
+      if ((j & 1) == 0 && j + 1 == groups) {  // unpaired: [even | odd], lanes of 4 values
+        for (int i = 0; i < 16; ++i) q[32 * j + i] = v8[2 * i], q[32 * j + 16 + i] = v8[2 * i + 1];
+        for (int lane = 0; lane < 8; ++lane) {
+          const int8_t* e = q + 32 * j + 4 * lane;
+          corr[lane] = kOffset * (e[0] + e[1] + e[2] + e[3]);
+        }
+        continue;
       }
-      for (int lane = 0; lane < 8; ++lane)
-        out.corr[(m * groups + j) * 8 + lane] = kOffset * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
+      const int64_t base = 32 * (j & ~int64_t{1}), half = 16 * (j & 1);  // pair start, which group
+      for (int i = 0; i < 16; ++i) q[base + half + i] = v8[2 * i], q[base + 32 + half + i] = v8[2 * i + 1];
+      for (int lane = 0; lane < 4; ++lane) {  // lane covers elements 8 lane .. 8 lane + 7
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i) sum += v8[8 * lane + i];
+        corr[4 * (j & 1) + lane] = kOffset * sum;
+      }
     }
   return out;
 }
@@ -162,45 +177,67 @@ inline void row_kernel_i8(const XRows& xq, const uint8_t* codes, const uint8_t* 
                           const float* bias) {
   const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
   const __m256i lut = _mm256_set_m128i(lut128, lut128);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  // NVFP4: int32 lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
-  const __m256i pair = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
   const int64_t groups = K / 32;
   const int64_t nb = K / BS, n8 = (nb + 7) / 8 * 8;
   combined_row_scales<M>(scales, nb, kind, table, xq.scale, ws, scales_end);
-  // U groups per iteration, each into its own accumulators: the FMA chains overlap
+  // U pairs per iteration, each into its own accumulators: the FMA chains overlap
   constexpr int U = M <= 2 ? 2 : 1;
   __m256 acc[U][M];
   for (int u = 0; u < U; ++u)
     for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
-  auto group = [&](int64_t j, __m256* a) {
+  // Groups j, j + 1: int32 lane l covers elements 8 (l % 4) .. + 7 of group j + l / 4, so
+  // NVFP4 lanes take block scales 2j + l / 2, MXFP4 lanes j + l / 4.
+  const __m256i spread = BS == 16 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  auto pair = [&](int64_t j, __m256* a) {
     const uint8_t* p = codes + 16 * j;
     _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i lo = _mm_and_si128(b, low4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(hi, lo));  // [even | odd], + 12
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, low4));
+    const __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
     for (int m = 0; m < M; ++m) {
       const float* c = ws + m * n8;
-      const __m256 s = BS == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
-                                                                _mm_load_sd(reinterpret_cast<const double*>(c + 2 * j)))),
-                                                            pair)
-                                : _mm256_broadcast_ss(c + j);
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + m * K + 32 * j));
+      const __m256 s = _mm256_permutevar8x32_ps(
+          BS == 16 ? _mm256_castps128_ps256(_mm_loadu_ps(c + 2 * j))
+                   : _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(c + j)))),
+          spread);
+      const int8_t* x = xq.q + m * K + 32 * j;
+      const __m256i d16 = _mm256_add_epi16(
+          _mm256_maddubs_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+          _mm256_maddubs_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
       const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
-      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones), corr);
+      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(d16, ones), corr);
       a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, a[m]);
     }
   };
   int64_t j = 0;
-  for (; j + U <= groups; j += U)
-    for (int u = 0; u < U; ++u) group(j + u, acc[u]);
-  for (; j < groups; ++j) group(j, acc[0]);
+  for (; j + 2 * U <= groups; j += 2 * U)
+    for (int u = 0; u < U; ++u) pair(j + 2 * u, acc[u]);
+  for (; j + 2 <= groups; j += 2) pair(j, acc[0]);
+  if (j < groups) {  // a last unpaired group: [even | odd], int32 lanes of 4 values
+    const uint8_t* p = codes + 16 * j;
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(b, _mm256_castsi256_si128(low4));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm256_castsi256_si128(low4));
+    const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(hi, lo));
+    // NVFP4: lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
+    const __m256i halves = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+    for (int m = 0; m < M; ++m) {
+      const float* c = ws + m * n8;
+      const __m256 s = BS == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
+                                                                _mm_load_sd(reinterpret_cast<const double*>(c + 2 * j)))),
+                                                            halves)
+                                : _mm256_broadcast_ss(c + j);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + m * K + 32 * j));
+      const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
+      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones), corr);
+      acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[0][m]);
+    }
+  }
   for (int u = 1; u < U; ++u)
     for (int m = 0; m < M; ++m) acc[0][m] = _mm256_add_ps(acc[0][m], acc[u][m]);
-  __m256* const out = acc[0];
-  for (int m = 0; m < M; ++m) y[m * N + n] = hsum(out[m]) * row_scale + (bias ? bias[n] : 0.0f);
+  for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[0][m]) * row_scale + (bias ? bias[n] : 0.0f);
 }
 
 template <int M, int BS>
