@@ -3,6 +3,7 @@
 1. Random weights of the SmolLM2-135M architecture (bf16 checkpoint), quantized with
    `expresslane quantize` to NVFP4 and MXFP4; batch-1 decode tokens/s (prompt 128, 64 new
    tokens, first token excluded), modes interleaved over several rounds (median reported).
+   Time to first token (the prompt's forward pass) is reported beside it.
    Weight bytes: what one decode step streams (every linear layer incl. the output
    projection; the embedding table is only indexed) and the checkpoint size on disk.
 2. The demo target's perplexity on its held-out corpus (`expresslane perplexity`), bf16
@@ -51,17 +52,23 @@ def streamed_weight_bytes(model_dir) -> int:
     return total
 
 
-def decode_speed(llms: dict[str, LLM], rounds: int) -> dict[str, float]:
+def decode_speed(llms: dict[str, LLM], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median decode tokens/s and time to first token (the 128-token prompt) per mode."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (PROMPT,), generator=g).tolist()
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     speeds: dict[str, list[float]] = {name: [] for name in llms}
+    ttfts: dict[str, list[float]] = {name: [] for name in llms}
     for llm in llms.values():
         llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for _ in range(rounds):
         for name, llm in llms.items():
-            speeds[name].append(llm.generate(prompt, params)[0].metrics["decode_tokens_per_s"])
-    return {name: statistics.median(v) for name, v in speeds.items()}
+            metrics = llm.generate(prompt, params)[0].metrics
+            speeds[name].append(metrics["decode_tokens_per_s"])
+            ttfts[name].append(metrics["ttft"])
+    return {
+        name: (statistics.median(speeds[name]), statistics.median(ttfts[name])) for name in llms
+    }
 
 
 def main() -> None:
@@ -86,8 +93,9 @@ def main() -> None:
     del llms
     results["smollm2_135m"] = {
         name: {
-            "decode_tok_s": round(speed[name], 1),
-            "speedup_vs_bf16": round(speed[name] / speed["bf16"], 2),
+            "decode_tok_s": round(speed[name][0], 1),
+            "speedup_vs_bf16": round(speed[name][0] / speed["bf16"][0], 2),
+            "ttft_ms": round(1000 * speed[name][1], 1),
             "streamed_weight_mb": round(streamed[name] / 1e6, 1),
             "streamed_vs_bf16": round(streamed[name] / streamed["bf16"], 3),
             "checkpoint_mb": round(disk[name] / 1e6, 1),

@@ -83,6 +83,30 @@ def test_fp4_linear_matches_dequantize_then_matmul(fmt_name, k, m, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("fmt_name", "k"), [("nvfp4", 192), ("mxfp4", 192), ("nvfp4", 80)])
+def test_fp4_dequantize_kernel_is_bit_exact(fmt_name, k):
+    """The prompt path's C++ expansion equals Fp4Weight.dequantize bit for bit (per-row tensor
+    scales, subnormal and wide block scales included), and a prompt-sized batch uses it."""
+    from expresslane.quant.formats import FORMATS, quantize
+    from expresslane.quant.linear import Fp4Linear, Fp4Weight
+
+    fmt = FORMATS[fmt_name]
+    g = torch.Generator().manual_seed(k)
+    rows = torch.randn(96, k, generator=g)
+    rows *= 2.0 ** -torch.arange(96).float().view(96, 1).remainder(30)
+    parts = [quantize(rows[i : i + 32] * 0.05, fmt) for i in (0, 32, 64)]
+    weight = Fp4Weight.cat([Fp4Weight.from_tensor(p) for p in parts])
+    layer = Fp4Linear(weight, torch.randn(96, generator=g))
+    layer.prepare_cpu(torch.float32)
+    mine = kernels.fp4_dequantize(
+        weight.packed, weight.scales, weight.row_scales, fmt.block_size, fmt.kernel_scale_kind
+    )
+    assert torch.equal(mine, weight.dequantize())
+    x = torch.randn(Fp4Linear.SMALL_BATCH + 5, k, generator=g)
+    torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
 def test_fp4_kernel_decodes_every_block_scale(fmt_name):
     """Rows and blocks spanning 2^-24..1 of the largest: NVFP4's E4M3 block scales reach the

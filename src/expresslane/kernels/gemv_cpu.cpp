@@ -85,9 +85,12 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 void register_decode_stack(pybind11::module& m);
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
+torch::Tensor fp4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales, int64_t block,
+                             int64_t scale_kind);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
+  m.def("fp4_dequantize", &fp4_dequantize, "MXFP4/NVFP4 codes + block scales -> float32 weight (AVX2)");
   m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA)");
 }

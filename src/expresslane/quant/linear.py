@@ -54,9 +54,10 @@ class Fp4Linear(nn.Module):
 
     On CPUs with AVX2 small batches (decode) run the kernel in kernels/fp4_cpu.cpp, which
     expands codes in registers. Larger batches (prompt chunks) are compute-bound: the weight
-    is expanded once per call and multiplied with a regular GEMM, which costs N*K against the
-    GEMM's M*N*K. Without the kernel (other CPUs, CUDA until a Triton kernel lands) every call
-    takes that path; it is also the reference the kernel is tested against."""
+    is expanded once per call (by `fp4_dequantize`, same file, with the kernel) and multiplied
+    with a regular GEMM, which costs N*K against the GEMM's M*N*K. Without the kernels (other
+    CPUs, CUDA until a Triton kernel lands) every call expands with PyTorch ops: `reference`,
+    which the kernels are tested against."""
 
     SMALL_BATCH = 8
 
@@ -69,6 +70,7 @@ class Fp4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features = weight.packed.shape[0]
         self._kernel = None
+        self._dequantize = None
 
     @property
     def weight_fp4(self) -> Fp4Weight:
@@ -82,13 +84,16 @@ class Fp4Linear(nn.Module):
         kernels = cpu_kernels()
         if kernels is not None and compute_dtype == torch.float32:
             self._kernel = kernels.fp4_linear
+            self._dequantize = kernels.fp4_dequantize
 
     def kernel_weights(self) -> list[torch.Tensor] | None:
         return None if self._kernel is None else [self.packed, self.scales, self.row_scales]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.shape[0] <= self.SMALL_BATCH:
-            fmt = self.fmt
+        if self._kernel is None:
+            return self.reference(x)
+        fmt = self.fmt
+        if x.shape[0] <= self.SMALL_BATCH:
             return self._kernel(
                 x,
                 self.packed,
@@ -98,7 +103,10 @@ class Fp4Linear(nn.Module):
                 fmt.block_size,
                 fmt.kernel_scale_kind,
             )
-        return self.reference(x)
+        w = self._dequantize(
+            self.packed, self.scales, self.row_scales, fmt.block_size, fmt.kernel_scale_kind
+        )
+        return torch.nn.functional.linear(x, w, self.bias)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_fp4.dequantize(x.dtype)
