@@ -102,8 +102,12 @@ def test_fp4_dequantize_kernel_is_bit_exact(fmt_name, k):
         weight.packed, weight.scales, weight.row_scales, fmt.block_size, fmt.kernel_scale_kind
     )
     assert torch.equal(mine, weight.dequantize())
+    calls = []
+    expand = layer._dequantize
+    layer._dequantize = lambda *args: calls.append(1) or expand(*args)
     x = torch.randn(Fp4Linear.SMALL_BATCH + 5, k, generator=g)
     torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
+    assert calls == [1]
 
 
 @needs_kernels

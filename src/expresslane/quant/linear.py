@@ -54,7 +54,7 @@ class Fp4Linear(nn.Module):
 
     On CPUs with AVX2 small batches (decode) run the kernel in kernels/fp4_cpu.cpp, which
     expands codes in registers. Larger batches (prompt chunks) are compute-bound: the weight
-    is expanded once per call (by `fp4_dequantize`, same file, with the kernel) and multiplied
+    is expanded once per call (by `fp4_dequantize`, also in fp4_cpu.cpp) and multiplied
     with a regular GEMM, which costs N*K against the GEMM's M*N*K. Without the kernels (other
     CPUs, CUDA until a Triton kernel lands) every call expands with PyTorch ops: `reference`,
     which the kernels are tested against."""
