@@ -52,8 +52,8 @@ def streamed_weight_bytes(model_dir) -> int:
     return total
 
 
-def decode_speed(llms: dict[str, LLM], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median decode tokens/s and time to first token (the 128-token prompt) per mode."""
+def decode_speed(llms: dict[str, LLM], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median decode tokens/s and median time to first token (the 128-token prompt), per mode."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (PROMPT,), generator=g).tolist()
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
@@ -66,9 +66,11 @@ def decode_speed(llms: dict[str, LLM], rounds: int) -> dict[str, tuple[float, fl
             metrics = llm.generate(prompt, params)[0].metrics
             speeds[name].append(metrics["decode_tokens_per_s"])
             ttfts[name].append(metrics["ttft"])
-    return {
-        name: (statistics.median(speeds[name]), statistics.median(ttfts[name])) for name in llms
-    }
+
+    def median(samples: dict[str, list[float]]) -> dict[str, float]:
+        return {name: statistics.median(v) for name, v in samples.items()}
+
+    return median(speeds), median(ttfts)
 
 
 def main() -> None:
@@ -88,14 +90,14 @@ def main() -> None:
         dirs[fmt] = out
         disk[fmt] = (out / "model.safetensors").stat().st_size
     llms = {name: LLM(str(d), max_model_len=1024) for name, d in dirs.items()}
-    speed = decode_speed(llms, args.rounds)
+    speed, ttft = decode_speed(llms, args.rounds)
     streamed = {name: streamed_weight_bytes(d) for name, d in dirs.items()}
     del llms
     results["smollm2_135m"] = {
         name: {
-            "decode_tok_s": round(speed[name][0], 1),
-            "speedup_vs_bf16": round(speed[name][0] / speed["bf16"][0], 2),
-            "ttft_ms": round(1000 * speed[name][1], 1),
+            "decode_tok_s": round(speed[name], 1),
+            "speedup_vs_bf16": round(speed[name] / speed["bf16"], 2),
+            "ttft_ms": round(1000 * ttft[name], 1),
             "streamed_weight_mb": round(streamed[name] / 1e6, 1),
             "streamed_vs_bf16": round(streamed[name] / streamed["bf16"], 3),
             "checkpoint_mb": round(disk[name] / 1e6, 1),
