@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -55,9 +57,10 @@ class Fp4Linear(nn.Module):
     On CPUs with AVX2 small batches (decode) run the kernel in kernels/fp4_cpu.cpp, which
     expands codes in registers. Larger batches (prompt chunks) are compute-bound: the weight
     is expanded once per call (by `fp4_dequantize`, also in fp4_cpu.cpp) and multiplied
-    with a regular GEMM, which costs N*K against the GEMM's M*N*K. Without the kernels (other
-    CPUs, CUDA until a Triton kernel lands) every call expands with PyTorch ops: `reference`,
-    which the kernels are tested against."""
+    with a regular GEMM, which costs N*K against the GEMM's M*N*K. On CUDA the Triton kernel in
+    kernels/fp4_triton.py expands codes tile by tile inside the matmul. Without the kernels
+    (other CPUs, no Triton) every call expands with PyTorch ops: `reference`, which the kernels
+    are tested against."""
 
     SMALL_BATCH = 8
 
@@ -90,9 +93,19 @@ class Fp4Linear(nn.Module):
         return None if self._kernel is None else [self.packed, self.scales, self.row_scales]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = self.fmt
+        if x.is_cuda and triton_fp4_linear() is not None:
+            return triton_fp4_linear()(
+                x,
+                self.packed,
+                self.scales,
+                self.row_scales,
+                self.bias,
+                fmt.block_size,
+                fmt.kernel_scale_kind,
+            )
         if self._kernel is None:
             return self.reference(x)
-        fmt = self.fmt
         if x.shape[0] <= self.SMALL_BATCH:
             return self._kernel(
                 x,
@@ -111,3 +124,13 @@ class Fp4Linear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_fp4.dequantize(x.dtype)
         return torch.nn.functional.linear(x, w, self.bias)
+
+
+@functools.cache
+def triton_fp4_linear():
+    """The Triton FP4 linear (kernels/fp4_triton.py), or None where Triton is not installed."""
+    try:
+        from expresslane.kernels.fp4_triton import fp4_linear_triton
+    except ImportError:
+        return None
+    return fp4_linear_triton
