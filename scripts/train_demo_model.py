@@ -17,15 +17,17 @@ Recipe
    ``<|im_end|>`` (end of a chat turn, the chat EOS); added non-special tokens ``<tool_call>``,
    ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` (kept by
    ``decode(skip_special_tokens=True)``, as in Qwen2.5). The chat template is ChatML with
-   Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``).
+   Hermes/Qwen2.5 tool calls (see ``CHAT_TEMPLATE``); offered tools are listed one per line as
+   ``name(params): description`` (about 100 tokens for the four agent tools, against about 470
+   for one JSON schema per tool, which would be a fifth of all training tokens).
 3. Training mix, rebuilt for every epoch with a seed derived from ``--seed`` and the epoch:
-   (a) plain code (30% of tokens): the train files, shuffled, each followed by
-   ``<|endoftext|>``; (b) whole short functions (25%): functions and methods with docstrings
+   (a) plain code (25% of tokens): the train files, shuffled, each followed by
+   ``<|endoftext|>``; (b) whole short functions (30%): functions and methods with docstrings
    and at most 15 lines after the docstring, dedented, each its own document ending in
    ``<|endoftext|>`` (teaches where a function ends); (c) instructions (12%): the user asks for
    ``name(args)`` described by the docstring's first paragraph (varied phrasings), the assistant
    answers with the function source in a single ```python block; (d) agent tool use (33%):
-   conversations of 1-2 requests; the tools ``read_file``, ``run_tests``, ``write_file`` and
+   conversations of 1-3 requests; the tools ``read_file``, ``run_tests``, ``write_file`` and
    ``list_dir`` are offered; the user asks to read / explain / test / fix a real train file or
    to list a folder; the assistant calls the right tool, a ``tool`` message returns a realistic
    result (a 3-8 line excerpt of the real file, a real folder listing, a pytest-like summary)
@@ -33,11 +35,15 @@ Recipe
    concatenated and cut into windows of 1024 tokens (+1 for the shifted labels). Loss on every
    token. Annealing: the last 25% of each model's steps (the tail of the learning-rate decay)
    read a second stream built the same way but weighted toward the tasks (10% code files drawn
-   at random, 35% short functions, 15% instructions, 40% tool use); the step where it starts
+   at random, 40% short functions, 12% instructions, 38% tool use); the step where it starts
    follows from the schedule, so a replay anneals at the same step.
 4. Models. ``transformers.LlamaForCausalLM``, tied embeddings, RoPE theta 1e4, RMSNorm eps 1e-5,
-   2048 positions, trained at sequence length 1024 (precision: see 5.), AdamW (0.9, 0.95, wd 0.1),
-   linear warmup then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
+   2048 positions, trained at sequence length 1024 (precision: see 5.). Optimizer: Muon (see
+   ``muon.py``; lr 0.02, Nesterov momentum 0.95) for the attention and MLP matrices, AdamW
+   (0.9, 0.95, wd 0.1) for the tied embedding and the norm gains (``--optimizer adamw``: AdamW
+   for all). On the target, 120 steps reach a training loss of 3.8 with Muon against 4.8 with
+   AdamW, though a Muon step costs ~35% more on this CPU (Newton-Schulz matmuls). Linear warmup
+   then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
    target: d=384, 4 layers, 6 heads (2 KV heads), MLP 1152 (10.0M parameters).
    draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
 5. Budget. Unless ``--target-steps`` / ``--draft-steps`` (or a recorded ``--*-plan``) are given,
@@ -94,11 +100,11 @@ SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-MIX = {"code": 0.30, "function": 0.25, "instruct": 0.12, "tool": 0.33}  # share of training tokens
+MIX = {"code": 0.25, "function": 0.30, "instruct": 0.12, "tool": 0.33}  # share of training tokens
 # The last ANNEAL_FRACTION of each model's steps (while the learning rate decays) draw from a
 # stream weighted toward the tasks the model is for: writing short functions, answering chats,
 # calling tools. Code files are sampled into it until they make their share.
-ANNEAL_MIX = {"code": 0.10, "function": 0.35, "instruct": 0.15, "tool": 0.40}
+ANNEAL_MIX = {"code": 0.10, "function": 0.40, "instruct": 0.12, "tool": 0.38}
 ANNEAL_FRACTION = 0.25
 ANNEAL_EPOCH_TOKENS = 2_000_000
 SHORT_FUNCTION_LINES = 15  # whole-function documents have at most this many lines after the doc
@@ -119,6 +125,7 @@ MODEL_SHAPES = {
         intermediate_size=384,
     ),
 }
+MUON_LR = 0.02  # peak learning rate of the hidden matrices under --optimizer muon
 TRAIN_DEFAULTS = {  # peak lr, warmup steps, batch (sequences of SEQ_LEN tokens)
     "target": dict(lr=2e-3, warmup=60, batch=2),
     "draft": dict(lr=3e-3, warmup=30, batch=4),
@@ -137,13 +144,16 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages and messages[0].role == 'system' -%}{{- text(messages[0].content) -}}"
     "{%- else -%}{{- '" + DEFAULT_SYSTEM + "' -}}{%- endif -%}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'"
-    " + '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
-    "\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and"
-    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name":'
-    ' <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
+    "{{- '\\n\\n# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool.function if tool.function is defined else tool -%}"
+    "{{- '\\n' + fn.name + '(' -}}"
+    "{%- if fn.parameters is defined and fn.parameters.properties is defined -%}"
+    "{{- fn.parameters.properties | list | join(', ') -}}{%- endif -%}"
+    "{{- ')' -}}{%- if fn.description -%}{{- ': ' + fn.description -}}{%- endif -%}"
+    "{%- endfor -%}"
+    '{{- \'\\n</tools>\\nTo call a tool, write <tool_call>\\n{"name": <tool-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message.role == 'system' and loop.first and tools -%}"
@@ -677,9 +687,9 @@ class ExampleFactory:
         return "\n".join(lines), answer, failed
 
     def tool_use(self, rng: random.Random) -> tuple[list[dict], list[dict]]:
-        """One agent conversation: 1-2 user requests, each served through tool calls."""
+        """One agent conversation: 1-3 user requests, each served through tool calls."""
         msgs = self.system(rng)
-        for _ in range(rng.choice([1, 1, 1, 2])):
+        for _ in range(rng.choice([1, 2, 2, 3])):
             self.exchange(rng, msgs)
         return msgs, self.tools_for(rng)
 
@@ -938,6 +948,31 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def make_optimizers(model, lr: float, kind: str) -> list:
+    """AdamW for everything, or Muon for the hidden matrices and AdamW for the rest.
+
+    Every parameter group records its ``peak_lr``; the schedule scales all of them alike.
+    """
+    import torch
+
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    embeddings = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" in n]
+    gains = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": embeddings, "weight_decay": 0.1, "peak_lr": lr},
+        {"params": gains, "weight_decay": 0.0, "peak_lr": lr},
+    ]
+    opts = []
+    if kind == "muon":
+        from muon import Muon
+
+        opts.append(Muon([{"params": matrices, "peak_lr": MUON_LR}], lr=MUON_LR))
+    else:
+        groups.append({"params": matrices, "weight_decay": 0.1, "peak_lr": lr})
+    opts.append(torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8))
+    return opts
+
+
 def build_model(name: str, tokenizer, seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -1016,14 +1051,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
     model = build_model(name, data.tokenizer, args.seed + (0 if name == "target" else 1))
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=hp["lr"],
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    opts = make_optimizers(model, hp["lr"], args.optimizer)
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
@@ -1036,7 +1064,8 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
                 f"{format_plan(plan)}; delete it or pass the same plan"
             )
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        for opt, opt_state in zip(opts, state["optimizers"]):
+            opt.load_state_dict(opt_state)
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
         anneal_from = state.get("anneal_from")
         if adaptive:
@@ -1049,7 +1078,8 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
     )
 
     def checkpoint():
-        state = dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step)
+        state = dict(model=model.state_dict(), optimizers=[o.state_dict() for o in opts])
+        state.update(step=step)
         state.update(elapsed=elapsed, losses=losses, plan=plan, anneal_from=anneal_from)
         save_checkpoint(ckpt_path, state)
 
@@ -1062,8 +1092,9 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
             break
         t0 = time.time()
         lr = lr_at(step, total or 10**9, hp["lr"], hp["warmup"])
-        for group in opt.param_groups:
-            group["lr"] = lr
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * lr / hp["lr"]
         if anneal_from is None and total is not None and step >= (1 - ANNEAL_FRACTION) * total:
             anneal_from = step  # a function of the plan, so a replay anneals at the same step
             log(f"{name}: annealing on the task-weighted stream from step {step}")
@@ -1077,10 +1108,11 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         loss = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
         )
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        for opt in opts:
+            opt.step()
         losses.append(round(loss.item(), 4))
         step += 1
         elapsed += time.time() - t0
@@ -1125,6 +1157,8 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         tokens_seen=step * hp["batch"] * SEQ_LEN,
         anneal_from_step=anneal_from,
         peak_lr=hp["lr"],
+        optimizer=args.optimizer,
+        muon_lr=MUON_LR if args.optimizer == "muon" else None,
         warmup_steps=hp["warmup"],
         precision="bf16 autocast" if use_bf16 else "fp32",
         device=args.device,
@@ -1215,6 +1249,12 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="auto: bf16 autocast only where the CPU has native bf16 (AVX512-BF16/AMX), else fp32",
     )
+    ap.add_argument(
+        "--optimizer",
+        choices=["muon", "adamw"],
+        default="muon",
+        help="muon: Muon for the hidden matrices, AdamW for embeddings and norms",
+    )
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
@@ -1286,6 +1326,7 @@ def main(argv: list[str] | None = None) -> None:
         command=command,
         reproduce=f"python scripts/train_demo_model.py --seed {args.seed} "
         + " ".join(replay_flags(name, results[name]) for name in results)
+        + (f" --optimizer {args.optimizer}" if args.optimizer != "muon" else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
         + (" --smoke" if args.smoke else ""),
         smoke=args.smoke,

@@ -1,0 +1,83 @@
+"""Pieces of the demo model's training recipe (scripts/): the Muon optimizer's orthogonalized
+update against an SVD reference, and the chat template's compact tool list."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from expresslane.tokenizer import Tokenizer
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_scripts_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+muon = load_script("muon")
+
+
+def test_orthogonalize_matches_svd_polar_factor():
+    torch.manual_seed(0)
+    for shape in [(64, 192), (192, 64), (96, 96)]:
+        g = torch.randn(shape, dtype=torch.float64)
+        u, _, vh = torch.linalg.svd(g, full_matrices=False)
+        polar = u @ vh
+        approx = muon.orthogonalize(g)
+        assert approx.shape == g.shape
+        s = torch.linalg.svdvals(approx)
+        # Newton-Schulz with Muon's coefficients lands singular values near 1, not exactly on
+        # it; a square Gaussian matrix has singular values near 0 that five steps lift less
+        assert s.max() < 1.25 and s.min() > (0.2 if shape[0] == shape[1] else 0.6)
+        cos = (approx * polar).sum() / (approx.norm() * polar.norm())
+        assert cos > 0.97
+
+
+def test_muon_minimizes_a_matrix_least_squares_problem():
+    torch.manual_seed(0)
+    a, target = torch.randn(32, 48), torch.randn(48, 24)
+    b = a @ target
+    w = torch.nn.Parameter(torch.zeros(48, 24))
+    opt = muon.Muon([w], lr=0.05)
+    first = None
+    for step in range(200):
+        loss = ((a @ w - b) ** 2).mean()
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * (1 - step / 200)
+    assert loss.item() < 0.05 * first
+
+
+def test_chat_template_lists_tools_compactly_in_both_tool_shapes(llama_dir):
+    template = load_script("train_demo_model").CHAT_TEMPLATE
+    tok = Tokenizer(
+        HFTokenizer.from_file(str(llama_dir / "tokenizer.json")),
+        {"chat_template": template, "eos_token": "<|im_end|>"},
+    )
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            },
+        },
+    }
+    flat = {"name": "list_dir", "parameters": {"type": "object", "properties": {}}}
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[nested, flat])
+    assert "<tools>\nwrite_file(path, content): Write a file.\nlist_dir()\n</tools>" in text
+    assert "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
