@@ -94,8 +94,12 @@ class Fp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.fmt
-        if x.is_cuda and triton_fp4_linear() is not None:
-            return triton_fp4_linear()(
+        if x.is_cuda:
+            kernel = triton_fp4_linear()
+        else:
+            kernel = self._kernel if x.shape[0] <= self.SMALL_BATCH else None
+        if kernel is not None:
+            return kernel(
                 x,
                 self.packed,
                 self.scales,
@@ -104,18 +108,8 @@ class Fp4Linear(nn.Module):
                 fmt.block_size,
                 fmt.kernel_scale_kind,
             )
-        if self._kernel is None:
+        if x.is_cuda or self._dequantize is None:
             return self.reference(x)
-        if x.shape[0] <= self.SMALL_BATCH:
-            return self._kernel(
-                x,
-                self.packed,
-                self.scales,
-                self.row_scales,
-                self.bias,
-                fmt.block_size,
-                fmt.kernel_scale_kind,
-            )
         w = self._dequantize(
             self.packed, self.scales, self.row_scales, fmt.block_size, fmt.kernel_scale_kind
         )
