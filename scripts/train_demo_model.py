@@ -1078,9 +1078,15 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
     )
 
     def checkpoint():
-        state = dict(model=model.state_dict(), optimizers=[o.state_dict() for o in opts])
-        state.update(step=step)
-        state.update(elapsed=elapsed, losses=losses, plan=plan, anneal_from=anneal_from)
+        state = dict(
+            model=model.state_dict(),
+            optimizers=[o.state_dict() for o in opts],
+            step=step,
+            elapsed=elapsed,
+            losses=losses,
+            plan=plan,
+            anneal_from=anneal_from,
+        )
         save_checkpoint(ckpt_path, state)
 
     model.train()

@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with the local C++ compiler (cached by torch in
-~/.cache/torch_extensions). Every kernel has a plain PyTorch reference it is tested against;
-`load()` returns None where the kernel cannot be built or the CPU lacks the instructions."""
+~/.cache/torch_extensions), and the Triton FP4 linear for CUDA. Every kernel has a plain
+PyTorch reference it is tested against; the loaders return None where a kernel cannot be
+built or run (no compiler, a CPU without the instructions, no Triton)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def cpu_kernels():
     except Exception as e:  # no compiler, no headers: fall back to PyTorch ops
         log.warning("CPU kernels unavailable (%s); using PyTorch matmuls", e)
         return None
+
+
+@functools.cache
+def triton_fp4_linear():
+    """The Triton FP4 linear for CUDA (fp4_triton.py), or None where Triton is not installed."""
+    try:
+        from expresslane.kernels.fp4_triton import fp4_linear_triton
+    except ImportError:
+        return None
+    return fp4_linear_triton

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
+from expresslane.kernels import triton_fp4_linear
 from expresslane.quant.formats import Fp4Format, Fp4Tensor
 
 
@@ -118,13 +117,3 @@ class Fp4Linear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_fp4.dequantize(x.dtype)
         return torch.nn.functional.linear(x, w, self.bias)
-
-
-@functools.cache
-def triton_fp4_linear():
-    """The Triton FP4 linear (kernels/fp4_triton.py), or None where Triton is not installed."""
-    try:
-        from expresslane.kernels.fp4_triton import fp4_linear_triton
-    except ImportError:
-        return None
-    return fp4_linear_triton
