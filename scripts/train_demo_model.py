@@ -58,7 +58,20 @@ Recipe
 6. Resume. Tokenized data, the tokenizer and a checkpoint (model, optimizer, step, planned steps)
    every ``--ckpt-minutes`` live in ``--work-dir`` (default ``.cache/demo_train``, outside git). A
    rerun with the same flags resumes from the latest checkpoint.
-7. Output (``--out-dir``, default ``src/expresslane/assets/demo``): ``target/`` and ``draft/`` in
+7. Fine-tuning (``--init-from DIR``): start from the ``target/`` and ``draft/`` weights in DIR
+   (and its tokenizer) instead of a random initialization; every step reads the ``finetune``
+   stream (``FINETUNE_MIX``: the kinds above plus 30% edits) at half the learning rates, with
+   20 warmup steps and no annealing switch. An edit is a train function whose own names
+   (function, parameters, locals) are first replaced by fresh identifiers made of corpus words,
+   followed by the same source again, verbatim or with the function or one parameter renamed;
+   half of them as a plain document, half as a chat ("Rename `a` to `b` in this function:"
+   and the code, answered with the edited code). The fresh names make the source new to the
+   model, so the repeat can only be predicted by copying from the context, the skill that
+   prompt-lookup speculation (and copying a requested path into a tool call) rides on.
+   ``training.json`` keeps the base model's record under ``base``. Not yet enough: from the
+   shipped weights, 185-400 steps of it left the loss on a held-out function's repeat where
+   it was (~4.2 nats per token); see MODEL_CARD.md, "Copying".
+8. Output (``--out-dir``, default ``src/expresslane/assets/demo``): ``target/`` and ``draft/`` in
    Hugging Face format (config.json, generation_config.json, bf16 model.safetensors, tokenizer
    files) and ``training.json``.
 
@@ -69,6 +82,7 @@ Usage::
     python scripts/train_demo_model.py --target-steps N --draft-steps M    # fixed step counts
     python scripts/train_demo_model.py --device cuda --target-steps N --draft-steps M  # on a GPU
       (on a GPU pass step counts or --max-steps: a time budget there buys far too many epochs)
+    python scripts/train_demo_model.py --init-from DIR --target-steps N --draft-steps M  # fine-tune
     python scripts/eval_demo_model.py                        # held-out evaluation -> eval.json
 """
 
@@ -81,6 +95,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -107,6 +122,14 @@ MIX = {"code": 0.25, "function": 0.30, "instruct": 0.12, "tool": 0.33}  # share 
 ANNEAL_MIX = {"code": 0.10, "function": 0.40, "instruct": 0.12, "tool": 0.38}
 ANNEAL_FRACTION = 0.25
 ANNEAL_EPOCH_TOKENS = 2_000_000
+# Fine-tuning (--init-from): every step reads this stream, which adds edits (the output repeats
+# code from the context with a rename, or verbatim) to the usual kinds, to teach copying from
+# the context; the learning rates are scaled down and warm up briefly.
+FINETUNE_MIX = {"code": 0.12, "function": 0.22, "instruct": 0.08, "tool": 0.28, "edit": 0.30}
+FINETUNE_EPOCH_TOKENS = 2_000_000
+FINETUNE_LR_SCALE = 0.5
+FINETUNE_WARMUP = 20
+STREAM_MIX = {"main": MIX, "anneal": ANNEAL_MIX, "finetune": FINETUNE_MIX}
 SHORT_FUNCTION_LINES = 15  # whole-function documents have at most this many lines after the doc
 
 MODEL_SHAPES = {
@@ -511,12 +534,26 @@ LIST_ASKS = [
     "Which files are in {p}?",
     "List {p}.",
 ]
+RENAME_ASKS = [
+    "Rename `{old}` to `{new}` in this function:",
+    "Please rename {old} to {new}:",
+    "Change the name `{old}` to `{new}` everywhere in this code:",
+    "Rename the {what} `{old}` to `{new}`.",
+    "Can you rename `{old}` as `{new}` here?",
+]
 READ2_ASKS = ["Read {p} and {q}.", "Show me {p} and {q}.", "Can you open {p} and {q}?"]
 SYSTEMS = [
     "You are an agent working in a checkout of the CPython repository.",
     "You are a coding agent. Use the tools to inspect files and run tests.",
     "You are a helpful assistant with access to a workspace.",
 ]
+
+
+def rename(source: str, names: dict[str, str]) -> str:
+    """Every whole-word occurrence of each key (not an attribute: no dot before it) replaced by
+    its value, in one pass."""
+    pattern = r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")\b"
+    return re.sub(pattern, lambda m: names[m.group(1)], source)
 
 
 def call(name: str, **arguments) -> dict:
@@ -601,6 +638,72 @@ class ExampleFactory:
     # (b') whole functions as their own documents --------------------------------------------
     def function(self, rng: random.Random) -> str:
         return rng.choice(self.short_functions)["source"] + "\n"
+
+    # (e) edits: the output repeats code from the context with a small change ------------------
+    def edit_pair(self, rng: random.Random) -> tuple[str, str, dict | None]:
+        """(source, edited source, rename) for a random function: the function or one of its
+        parameters renamed everywhere (not attributes), or None and the source unchanged.
+
+        The function's own names (its name, parameters and locals) are first replaced by
+        fresh ones, so the source is new to the model and the repeat can only come from
+        copying it, not from recalling a training function."""
+        fn = rng.choice(self.functions)
+        try:
+            node = ast.parse(fn["source"]).body[0]
+        except SyntaxError:  # a method whose dedented source does not parse on its own
+            node = None
+        args = [] if node is None else node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        params = [a.arg for a in args if a.arg not in ("self", "cls")]
+        names = [fn["name"], *params]
+        if node is not None:
+            names += [
+                n.id
+                for n in ast.walk(node)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            ]
+        taken = set(re.findall(r"\w+", fn["source"]))
+        fresh = {}
+        for old in dict.fromkeys(names):
+            fresh[old] = self.fresh_name(rng)
+            while fresh[old] in taken:  # new, and distinct from every other name
+                fresh[old] = self.fresh_name(rng)
+            taken.add(fresh[old])
+        src = rename(fn["source"], fresh)
+        params = [fresh[p] for p in params]
+        r = rng.random()
+        if r < 0.2:
+            return src, src, None
+        if r < 0.6 or not params:
+            what, old = "function", fresh[fn["name"]]
+            new = rng.choice(["{}_v2", "{}_new", "new_{}", "{}2", "_{}", "{}_impl", "fast_{}"])
+        else:
+            what, old = "parameter", rng.choice(params)
+            new = rng.choice(["{}_", "new_{}", "{}2", "the_{}", "{}_value"])
+        new = new.format(old.lstrip("_") if new.startswith("_") else old)
+        return src, rename(src, {old: new}), dict(what=what, old=old, new=new)
+
+    def fresh_name(self, rng: random.Random) -> str:
+        """An identifier made of one to three words from the corpus's function names."""
+        if not hasattr(self, "_words"):
+            words = {w for fn in self.functions for w in fn["name"].lower().split("_")}
+            self._words = sorted(w for w in words if w.isidentifier() and len(w) > 1)
+        return "_".join(rng.sample(self._words, rng.choice([1, 2, 2, 3])))
+
+    def edit_text(self, rng: random.Random) -> str:
+        """A function and then its edited version, as one document."""
+        src, edited, _ = self.edit_pair(rng)
+        return f"{src}\n\n\n{edited}\n"
+
+    def edit_chat(self, rng: random.Random) -> tuple[list[dict], list[dict] | None]:
+        src, edited, rename = self.edit_pair(rng)
+        while rename is None:
+            src, edited, rename = self.edit_pair(rng)
+        ask = rng.choice(RENAME_ASKS).format(**rename)
+        messages = [
+            {"role": "user", "content": f"{ask}\n\n```python\n{src}\n```"},
+            {"role": "assistant", "content": f"```python\n{edited}\n```"},
+        ]
+        return self.system(rng) + messages, self.tools_for(rng) if rng.random() < 0.2 else None
 
     # (c) tool use ---------------------------------------------------------------------------
     def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
@@ -820,6 +923,10 @@ class Data:
         )
         self.sources = read_sources(root, train)
         tok_dir = work / "tokenizer"
+        if args.init_from and not (tok_dir / "tokenizer.json").exists():
+            tok_dir.mkdir(parents=True, exist_ok=True)  # fine-tuning keeps the model's tokenizer
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(args.init_from / "target" / f, tok_dir / f)
         if not (tok_dir / "tokenizer.json").exists():
             log(f"training tokenizer on {len(self.sources)} train files")
             t0 = time.time()
@@ -858,12 +965,19 @@ class Data:
                 total += len(e.ids) + 1
         return out
 
+    def edit(self, rng: random.Random) -> str:
+        """An edit as a plain document or, half of the time, as a chat."""
+        if rng.random() < 0.5:
+            return self.factory.edit_text(rng)
+        return self.render(*self.factory.edit_chat(rng))
+
     def epoch(self, e: int, stream: str = "main"):
         """Token stream of epoch ``e`` (int16 tensor), built deterministically and cached.
 
         ``main``: every train file once plus the other kinds in ``MIX`` proportion to them.
-        ``anneal``: ``ANNEAL_EPOCH_TOKENS`` tokens in ``ANNEAL_MIX`` proportions, code files
-        drawn at random until they make their share.
+        ``anneal`` / ``finetune``: ``ANNEAL_EPOCH_TOKENS`` / ``FINETUNE_EPOCH_TOKENS`` tokens in
+        ``ANNEAL_MIX`` / ``FINETUNE_MIX`` proportions, code files drawn at random until they
+        make their share.
         """
         import torch
 
@@ -878,12 +992,12 @@ class Data:
             if self.factory is None:
                 self.factory = ExampleFactory(self.sources)
             rng = random.Random(f"{self.seed}-{'' if stream == 'main' else stream + '-'}epoch-{e}")
-            mix = MIX if stream == "main" else ANNEAL_MIX
+            mix = STREAM_MIX[stream]
             code = [v.tolist() for _, v in sorted(self.code.items())]
             if stream == "main":
                 total = self.code_tokens / mix["code"]
             else:
-                total = ANNEAL_EPOCH_TOKENS
+                total = ANNEAL_EPOCH_TOKENS if stream == "anneal" else FINETUNE_EPOCH_TOKENS
                 rng.shuffle(code)
                 budget, kept = mix["code"] * total, []
                 for ids in code:
@@ -897,13 +1011,14 @@ class Data:
                 ("instruct", self.factory.instruct, True),
                 ("function", self.factory.function, False),
                 ("tool", self.factory.tool_use, True),
+                ("edit", self.edit, False),
             ]
-            for kind, make, chat in makers:
+            for kind, make, chat in (m for m in makers if m[0] in mix):
                 budget = int(total * mix[kind])
                 docs += [(kind, ids) for ids in self._examples(rng, make, budget, chat)]
             rng.shuffle(docs)
-            stats = {k: 0 for k in MIX}
-            counts = {k: 0 for k in MIX}
+            stats = {k: 0 for k in mix}
+            counts = {k: 0 for k in mix}
             flat = []
             for kind, ids in docs:
                 flat += ids
@@ -1049,9 +1164,22 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         args.autocast == "auto" and (cuda or cpu_has_fast_bf16())
     )
     model = build_model(name, data.tokenizer, args.seed + (0 if name == "target" else 1))
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        weights = load_file(args.init_from / name / "model.safetensors")
+        loaded = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:
+            sys.exit(f"{args.init_from / name} does not fit the {name} shape: {loaded}")
+        model.tie_weights()
+        hp["warmup"] = FINETUNE_WARMUP
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     opts = make_optimizers(model, hp["lr"], args.optimizer)
+    if args.init_from:
+        for opt in opts:
+            for group in opt.param_groups:
+                group["peak_lr"] *= FINETUNE_LR_SCALE
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
@@ -1101,10 +1229,13 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         for opt in opts:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * lr / hp["lr"]
-        if anneal_from is None and total is not None and step >= (1 - ANNEAL_FRACTION) * total:
+        anneals = not args.init_from  # a fine-tune reads the fine-tuning stream throughout
+        if anneals and anneal_from is None and total and step >= (1 - ANNEAL_FRACTION) * total:
             anneal_from = step  # a function of the plan, so a replay anneals at the same step
             log(f"{name}: annealing on the task-weighted stream from step {step}")
-        if anneal_from is None:
+        if args.init_from:
+            batch = data.batch(step, hp["batch"], "finetune")
+        elif anneal_from is None:
             batch = data.batch(step, hp["batch"])
         else:
             batch = data.batch(step - anneal_from, hp["batch"], "anneal")
@@ -1229,6 +1360,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="fine-tune: start from the target/ and draft/ weights in this folder and train on "
+        "the fine-tuning stream (FINETUNE_MIX) at scaled-down learning rates",
+    )
+    ap.add_argument(
         "--target-minutes",
         type=float,
         default=None,
@@ -1303,8 +1441,8 @@ def main(argv: list[str] | None = None) -> None:
         argv if argv is not None else sys.argv[1:]
     )
     data = Data(args, work)
-    data.epoch(0)  # later epochs are built when (if) training reaches them
-    data.epoch(0, "anneal")
+    for stream in ("finetune",) if args.init_from else ("main", "anneal"):
+        data.epoch(0, stream)  # later epochs are built when (if) training reaches them
     prep_seconds = time.time() - t_start
     results = {}
     for name in ("target", "draft"):
@@ -1322,7 +1460,7 @@ def main(argv: list[str] | None = None) -> None:
             "epochs": sorted(e for s, e in data.epoch_stats if s == stream),
             **{
                 k: sum(v["tokens"][k] for (s, _), v in data.epoch_stats.items() if s == stream)
-                for k in MIX
+                for k in STREAM_MIX[stream]
             },
         }
         for stream in sorted({s for s, _ in data.epoch_stats})
@@ -1334,6 +1472,7 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(replay_flags(name, results[name]) for name in results)
         + (f" --optimizer {args.optimizer}" if args.optimizer != "muon" else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
+        + (f" --init-from {args.init_from}" if args.init_from else "")
         + (" --smoke" if args.smoke else ""),
         smoke=args.smoke,
         torch=torch.__version__,
@@ -1355,6 +1494,12 @@ def main(argv: list[str] | None = None) -> None:
         models=results,
         corpus=data.meta,
     )
+    if args.init_from:
+        base = args.init_from / "training.json"
+        meta["finetune"] = dict(
+            mix=FINETUNE_MIX, lr_scale=FINETUNE_LR_SCALE, warmup_steps=FINETUNE_WARMUP
+        )
+        meta["base"] = json.loads(base.read_text()) if base.is_file() else str(args.init_from)
     (args.out_dir / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"done in {time.time() - t_start:.0f}s; reproduce with: {meta['reproduce']}")
 

@@ -17,7 +17,7 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels 
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13])
 @pytest.mark.parametrize("n, k", [(64, 64), (131, 96), (37, 203)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_float32_reference(m, n, k, bias):
@@ -139,7 +139,7 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
-@pytest.mark.parametrize("q_len", [1, 3])  # decode, speculative verification
+@pytest.mark.parametrize("q_len", [1, 3, 5])  # decode, speculative verifications
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4"])
 def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len, kv_dtype):
     """The C++ decode step (fused norms, RoPE and paged attention, over a float32, FP8 or FP4
@@ -190,6 +190,17 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
             meta.decode_starts,
         )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    # the final norm and output head, for some rows and for all
+    assert model.native_head
+    rows = torch.tensor([0, len(seqs) * q_len - 1])
+    with torch.inference_mode():
+        expected = model.lm_head(model.norm(ref)).float()
+        torch.testing.assert_close(
+            model.decode_stack.logits(out.clone(), rows), expected[rows], atol=2e-4, rtol=2e-4
+        )
+        torch.testing.assert_close(
+            model.decode_stack.logits(out.clone(), None), expected, atol=2e-4, rtol=2e-4
+        )
     # the new tokens' K/V as the native step stored them: the store's own encoding (a rare
     # byte may differ where the two paths' float K/V straddle a rounding boundary)
     for store, python_written in zip(runner.kv_caches, written, strict=True):

@@ -26,6 +26,42 @@ def test_ngram_proposer_finds_the_latest_continuation():
     assert p.lookup([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
 
 
+def _search(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """The lookup by brute force: every earlier n-gram, longest suffix first."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hits = [i for i in range(L - n) if tokens[i : i + n] == tokens[L - n :]]
+        if hits:
+            start = hits[-1] + n
+            guess = tokens[start : start + k]
+            while 0 < len(guess) < k:
+                guess.append(guess[len(guess) - (L - start)])
+            return guess
+    return []
+
+
+def test_ngram_index_grows_with_the_sequence_and_matches_a_full_search():
+    import random
+
+    from expresslane.engine.request import Request
+    from expresslane.spec.ngram import NgramIndex
+
+    rng = random.Random(0)
+    p = NgramProposer()
+    for _ in range(200):
+        index = NgramIndex(1, 4)
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        for _ in range(30):  # a few tokens accepted per step, over a small alphabet
+            k = rng.randrange(1, 8)
+            assert p.lookup(tokens, k, index) == _search(tokens, k)
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+    req = Request("r", [1, 2, 3, 1, 2], SamplingParams(), max_tokens=4)
+    assert p.propose([req], [2])[0].token_ids == [3, 1]
+    assert "r" in p.indexes
+    p.release("r")
+    assert not p.indexes
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_outputs_identical_with_ngram_speculation(llama_dir, batch):
     base = random_prompts(batch, 10, 40, seed=21)

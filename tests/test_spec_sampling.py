@@ -88,11 +88,11 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
     target = bf16_copy(llama_dir, tmp_path / "target")
     llm = LLM(str(target), speculative=_spec(bf16_copy(draft_dir, tmp_path / "draft")))
     draft = llm.engine.proposers[1].proposer
-    assert draft.model.native_greedy
+    assert draft.model.native_head
     prompts = random_prompts(5, 4, 40, seed=43)
 
     def rounds(native: bool) -> list[list[int]]:
-        draft.model.native_greedy = native
+        draft.model.native_head = native
         greedy = SamplingParams(temperature=0)
         reqs = [Request(f"r{i}", list(p), greedy, max_tokens=64) for i, p in enumerate(prompts)]
         out = []
@@ -107,8 +107,8 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
         return out
 
     calls = []
-    native_greedy = draft.model.greedy
-    draft.model.greedy = lambda *args: calls.append(args) or native_greedy(*args)
+    native_head = draft.model.greedy
+    draft.model.greedy = lambda *args: calls.append(args) or native_head(*args)
     fast = rounds(native=True)
     assert len(calls) >= 2  # rounds 2 and 3 at least (round 1 catches up on whole prompts)
     assert fast == rounds(native=False)

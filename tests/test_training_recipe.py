@@ -81,3 +81,39 @@ def test_chat_template_lists_tools_compactly_in_both_tool_shapes(llama_dir):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[nested, flat])
     assert "<tools>\nwrite_file(path, content): Write a file.\nlist_dir()\n</tools>" in text
     assert "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_edit_examples_repeat_a_freshly_renamed_function():
+    """The fine-tuning edits: a function whose own names are replaced by fresh ones (so the
+    repeat cannot be recalled from training), then the same source with one rename."""
+    import ast
+    import random
+
+    train = load_script("train_demo_model")
+    assert train.rename("x = xs.x + x_1(x)", {"x": "y"}) == "y = xs.x + x_1(y)"
+    source = '''def scale(values, factor=2):
+    """Multiply every value."""
+    out = [v * factor for v in values]
+    return out
+'''
+    others = "".join(
+        f'def {name}():\n    """Doc string here."""\n\n'
+        for name in ("read_block", "parse_header", "open_stream_now")
+    )
+    factory = train.ExampleFactory({"m.py": others + source})
+    rng = random.Random(0)
+    kinds = set()
+    for _ in range(40):
+        src, edited, change = factory.edit_pair(rng)
+        if "Multiply" not in src:
+            continue  # one of the other functions
+        ast.parse(src)
+        ast.parse(edited)
+        assert "values" not in src and "factor" not in src and "def scale(" not in src
+        if change is None:
+            assert edited == src
+            continue
+        kinds.add(change["what"])
+        assert change["old"] in src and change["new"] in edited
+        assert edited == train.rename(src, {change["old"]: change["new"]})
+    assert kinds == {"function", "parameter"}

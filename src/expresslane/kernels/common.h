@@ -33,10 +33,11 @@ inline const float* float_bias(const c10::optional<torch::Tensor>& bias, torch::
   return holder.data_ptr<float>();
 }
 
-// Calls gemv<mb>(x rows m0.., y rows m0..) for row blocks of at most 4 (the register budget).
-template <typename Fn>
+// Calls gemv<mb>(x rows m0.., y rows m0..) for row blocks of at most MaxRows (the register
+// budget of the kernel: each block reads the whole weight once).
+template <int MaxRows = 4, typename Fn>
 inline void for_row_blocks(int64_t M, Fn&& fn) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) fn(m0, std::min<int64_t>(4, M - m0));
+  for (int64_t m0 = 0; m0 < M; m0 += MaxRows) fn(m0, std::min<int64_t>(MaxRows, M - m0));
 }
 
 }  // namespace expresslane

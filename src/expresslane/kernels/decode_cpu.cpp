@@ -153,6 +153,18 @@ class DecodeStack {
     head_ = {lm_head, c10::nullopt, fp4_block, fp4_scale_kind};
   }
 
+  // Logits of rows `rows` of the last layer's output h (all rows if none): final norm and
+  // output head, as LlamaModel.forward's norm + lm_head. Normalizes h's rows in place.
+  torch::Tensor logits(torch::Tensor h, c10::optional<torch::Tensor> rows) {
+    TORCH_CHECK(embed_.defined(), "set_head first");
+    auto x = rows.has_value() ? h.index_select(0, *rows) : h.contiguous();
+    for (int64_t t = 0; t < x.size(0); ++t) {
+      float* r = x.data_ptr<float>() + t * x.size(1);
+      ops::rms_norm(r, norm_.data_ptr<float>(), r, x.size(1), eps);
+    }
+    return head_(x);
+  }
+
   // `steps` greedy tokens for each of B sequences without returning to Python (a draft
   // model's proposals). unseen[b]: sequence b's tokens not yet in the cache (at least one; a
   // few); starts: [B] tokens in the cache; decode_slots: [B*L] slots of positions 0..L-1
@@ -194,11 +206,7 @@ class DecodeStack {
     auto h = forward(x, cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1),
                      slots.index({rows, positions}), slots.reshape(-1), L, Q, starts);
     auto last = h.view({B, Q, -1}).select(1, Q - 1).contiguous();
-    for (int64_t b = 0; b < B; ++b) {
-      float* r = last.data_ptr<float>() + b * last.size(1);
-      ops::rms_norm(r, norm_.data_ptr<float>(), r, last.size(1), eps);
-    }
-    return head_(last).narrow(1, 0, vocab).argmax(1);
+    return logits(last, c10::nullopt).narrow(1, 0, vocab).argmax(1);
   }
 
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
@@ -326,5 +334,6 @@ void register_decode_stack(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward)
       .def("set_head", &DecodeStack::set_head)
+      .def("logits", &DecodeStack::logits)
       .def("greedy", &DecodeStack::greedy);
 }

@@ -51,7 +51,10 @@ inline void row_kernel(const float* x, const at::BFloat16* row, float* y, int64_
 
 template <int M>
 void gemv(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t N, const float* bias) {
-  constexpr int U = M <= 2 ? 4 : 2;  // keeps M * U accumulators within the 16 ymm registers
+  // U independent FMA chains per row hide the FMA latency. From M = 7 the M * U accumulators
+  // outgrow the 16 ymm registers and a few spill, which still measured faster than U = 1
+  // (whose M chains stall on latency) at the verification widths 5-8.
+  constexpr int U = M <= 2 ? 4 : 2;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) row_kernel<M, U>(x, w + n * K, y, K, N, n, bias);
   });
@@ -69,14 +72,19 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   torch::Tensor bias_holder;
   const float* b = expresslane::float_bias(bias, bias_holder);
   const auto* wp = w.data_ptr<at::BFloat16>();
-  expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
+  // Up to 8 rows per pass over W: a speculative verification (k+1 rows) reads W once.
+  expresslane::for_row_blocks<8>(M, [&](int64_t m0, int64_t mb) {
     const float* xp = x.data_ptr<float>() + m0 * K;
     float* yp = y.data_ptr<float>() + m0 * N;
     switch (mb) {
       case 1: gemv<1>(xp, wp, yp, K, N, b); break;
       case 2: gemv<2>(xp, wp, yp, K, N, b); break;
       case 3: gemv<3>(xp, wp, yp, K, N, b); break;
-      default: gemv<4>(xp, wp, yp, K, N, b); break;
+      case 4: gemv<4>(xp, wp, yp, K, N, b); break;
+      case 5: gemv<5>(xp, wp, yp, K, N, b); break;
+      case 6: gemv<6>(xp, wp, yp, K, N, b); break;
+      case 7: gemv<7>(xp, wp, yp, K, N, b); break;
+      default: gemv<8>(xp, wp, yp, K, N, b); break;
     }
   });
   return y;

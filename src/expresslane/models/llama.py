@@ -76,7 +76,7 @@ class LlamaModel(nn.Module):
         self.lm_head = make_linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
         self.decode_stack = None
-        self.native_greedy = False  # decode_stack.greedy is available
+        self.native_head = False  # decode_stack has the output head: logits, greedy
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -89,7 +89,7 @@ class LlamaModel(nn.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attn.kv = PlainKV.wrap(cache) if isinstance(cache, torch.Tensor) else cache
         self.decode_stack = build_decode_stack(self)
-        self.native_greedy = (
+        self.native_head = (
             self.decode_stack is not None and self.lm_head.kernel_weights() is not None
         )
 
@@ -116,6 +116,8 @@ class LlamaModel(nn.Module):
                 meta.decode_q_len,
                 meta.decode_starts,
             )
+            if self.native_head:  # the final norm and the head in the same native module
+                return self.decode_stack.logits(x, logits_indices)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, meta)
@@ -127,7 +129,7 @@ class LlamaModel(nn.Module):
     def greedy(self, unseen: list[list[int]], starts: list[int], slots: torch.Tensor, steps: int):
         """`steps` greedy tokens per sequence in one native call (a draft model's proposals).
         unseen[i]: the tokens of sequence i past its starts[i] cached ones; slots: [B, L] of
-        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `native_greedy`."""
+        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `native_head`."""
         return self.decode_stack.greedy(
             [torch.tensor(u) for u in unseen],
             torch.tensor(starts),

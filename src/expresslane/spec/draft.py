@@ -115,7 +115,7 @@ class DraftModelProposer:
         own token). False if unavailable or out of blocks: the step loop runs instead."""
         if (
             not shadows
-            or not self.model.native_greedy
+            or not self.model.native_head
             or any(s.num_tokens - s.num_computed_tokens > NATIVE_CATCH_UP for s in shadows)
         ):
             return False
