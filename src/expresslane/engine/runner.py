@@ -76,6 +76,8 @@ class ModelRunner:
 
         `samples` lists (request, rows): the request's last known token is sampled, plus one
         row per speculative guess in `draft_ids` (those tokens are scored in the same pass)."""
+        if items and all(n == 1 and r.num_computed_tokens == r.num_tokens - 1 for r, n in items):
+            return self._prepare_decodes([r for r, _ in items])
         decodes, chunks = _uniform_group(items)
         uniform = {id(r) for r, _ in decodes}
         ids: list[int] = []
@@ -117,6 +119,16 @@ class ModelRunner:
             samples,
         )
 
+    def _prepare_decodes(self, reqs: list[Request]):
+        """`prepare` for the most common step, every sequence decoding one token: the slots
+        come from the padded table the attention needs anyway, and every row is sampled."""
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+        starts, slots = self._decode_metadata(meta, reqs, 1)
+        meta.slot_mapping = torch.from_numpy(slots[np.arange(len(reqs)), starts]).to(dev)
+        ids = torch.tensor([r.token_ids[-1] for r in reqs], dtype=torch.long, device=dev)
+        return ids, torch.from_numpy(starts).to(dev), meta, None, [(r, 1) for r in reqs]
+
     def padded_slots(self, reqs: list[Request], length: int) -> np.ndarray:
         """[len(reqs), length] slots of positions 0..length-1 of each request (block 0 past
         the end of its block table: masked by the attention)."""
@@ -128,8 +140,11 @@ class ModelRunner:
         pos = np.arange(length)
         return tables[:, pos // bs] * bs + pos % bs
 
-    def _decode_metadata(self, meta: AttentionMetadata, reqs: list[Request], q_len: int) -> None:
-        starts = np.array([r.num_computed_tokens for r in reqs])
+    def _decode_metadata(
+        self, meta: AttentionMetadata, reqs: list[Request], q_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Fills the decode fields of `meta`; returns (starts [B], padded slots [B, L])."""
+        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
         lens = starts + q_len
         L = int(lens.max())
         pos = np.arange(L)
@@ -147,6 +162,7 @@ class ModelRunner:
             mask = torch.zeros(len(reqs), q_len, 1, L, dtype=self.dtype)
             mask.masked_fill_(torch.from_numpy(hidden).unsqueeze(2), float("-inf"))
             meta.decode_mask = mask.to(self.device)
+        return starts, slots
 
     @torch.inference_mode()
     def step(
