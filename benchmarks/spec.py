@@ -33,12 +33,10 @@ from expresslane.spec.stats import SpecStats  # noqa: E402
 
 def workloads(n: int, seed: int = 0) -> dict[str, list[str]]:
     functions = E.pick_functions(E.heldout_sources(), 4 * n, seed)
-    long_enough = [f for f in functions if f["source"].count("\n") >= 6][:n]
-    edit = []
-    for fn in long_enough:
-        first = fn["source"].split("\n", 1)[0]
-        renamed = first.replace(f"def {fn['name']}(", f"def {fn['name']}_v2(", 1)
-        edit.append(f"{fn['source']}\n\n\n{renamed}")  # no bare newline: see MODEL_CARD
+    # the source, then the renamed version's first line (no bare newline: see BENCHMARKS.md)
+    edit = [
+        f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}" for src, renamed in E.edit_pairs(functions, n)
+    ]
     complete = [fn["header"] for fn in functions[:n]]
     return {"edit": edit, "complete": complete}
 

@@ -30,11 +30,9 @@ def token_losses(model, ids: torch.Tensor) -> torch.Tensor:
 
 def code_probe(model, tok, n: int = 16) -> tuple[float, float]:
     functions = E.pick_functions(E.heldout_sources(), 5 * n, 0)
-    functions = [f for f in functions if f["source"].count("\n") >= 6][:n]
     first, repeat = [], []
-    for f in functions:
-        edited = f["source"].replace(f"def {f['name']}(", f"def {f['name']}_v2(", 1)
-        a = tok(f["source"] + "\n\n\n", add_special_tokens=False).input_ids
+    for source, edited in E.edit_pairs(functions, n):
+        a = tok(source + "\n\n\n", add_special_tokens=False).input_ids
         b = tok(edited, add_special_tokens=False).input_ids
         nll = token_losses(model, torch.tensor([a + b]))[0]
         first.append(nll[: len(a) - 1].mean().item())

@@ -99,6 +99,17 @@ def pick_functions(sources: dict[str, str], n: int, seed: int) -> list[dict]:
     return found[:n]
 
 
+def edit_pairs(functions: list[dict], n: int) -> list[tuple[str, str]]:
+    """(source, the same source with its function renamed `name_v2`) for the first n functions
+    of at least 7 lines: an agent rewriting code it just read (benchmarks/spec.py's edit
+    workload, scripts/copy_probe.py)."""
+    long_enough = [fn for fn in functions if fn["source"].count("\n") >= 6][:n]
+    return [
+        (fn["source"], fn["source"].replace(f"def {fn['name']}(", f"def {fn['name']}_v2(", 1))
+        for fn in long_enough
+    ]
+
+
 def dedent_cut(text: str) -> tuple[str, bool]:
     """Cut ``text`` (which starts a new line) at the first non-empty line with no indentation."""
     m = re.search(r"\n(?=[^\s])", "\n" + text)

@@ -114,6 +114,7 @@ EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_SYSTEM = "You are a helpful coding assistant."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 MIX = {"code": 0.25, "function": 0.30, "instruct": 0.12, "tool": 0.33}  # share of training tokens
 # The last ANNEAL_FRACTION of each model's steps (while the learning rate decays) draw from a
@@ -577,6 +578,8 @@ class ExampleFactory:
                 ):
                     self.functions.append(fn)
             self.defs[f] = top_level_defs(sources[f])
+        words = {w for fn in self.functions for w in fn["name"].lower().split("_")}
+        self.name_words = sorted(w for w in words if w.isidentifier() and len(w) > 1)
         self.short_functions = [
             fn for fn in self.functions if fn["body_lines"] <= SHORT_FUNCTION_LINES
         ]
@@ -684,10 +687,7 @@ class ExampleFactory:
 
     def fresh_name(self, rng: random.Random) -> str:
         """An identifier made of one to three words from the corpus's function names."""
-        if not hasattr(self, "_words"):
-            words = {w for fn in self.functions for w in fn["name"].lower().split("_")}
-            self._words = sorted(w for w in words if w.isidentifier() and len(w) > 1)
-        return "_".join(rng.sample(self._words, rng.choice([1, 2, 2, 3])))
+        return "_".join(rng.sample(self.name_words, rng.choice([1, 2, 2, 3])))
 
     def edit_text(self, rng: random.Random) -> str:
         """A function and then its edited version, as one document."""
@@ -925,7 +925,7 @@ class Data:
         tok_dir = work / "tokenizer"
         if args.init_from and not (tok_dir / "tokenizer.json").exists():
             tok_dir.mkdir(parents=True, exist_ok=True)  # fine-tuning keeps the model's tokenizer
-            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            for f in TOKENIZER_FILES:
                 shutil.copy(args.init_from / "target" / f, tok_dir / f)
         if not (tok_dir / "tokenizer.json").exists():
             log(f"training tokenizer on {len(self.sources)} train files")
@@ -1063,11 +1063,13 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizers(model, lr: float, kind: str) -> list:
+def make_optimizers(model, lr: float, kind: str, lr_scale: float = 1.0) -> list:
     """AdamW for everything, or Muon for the hidden matrices and AdamW for the rest.
 
-    Every parameter group records its ``peak_lr``; the schedule scales all of them alike.
+    Every parameter group records its ``peak_lr`` (``lr`` or ``MUON_LR``, times ``lr_scale``);
+    the schedule scales all of them alike.
     """
+    lr *= lr_scale
     import torch
 
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -1081,7 +1083,8 @@ def make_optimizers(model, lr: float, kind: str) -> list:
     if kind == "muon":
         from muon import Muon
 
-        opts.append(Muon([{"params": matrices, "peak_lr": MUON_LR}], lr=MUON_LR))
+        muon_lr = MUON_LR * lr_scale
+        opts.append(Muon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr))
     else:
         groups.append({"params": matrices, "weight_decay": 0.1, "peak_lr": lr})
     opts.append(torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8))
@@ -1175,11 +1178,9 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         hp["warmup"] = FINETUNE_WARMUP
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
-    opts = make_optimizers(model, hp["lr"], args.optimizer)
-    if args.init_from:
-        for opt in opts:
-            for group in opt.param_groups:
-                group["peak_lr"] *= FINETUNE_LR_SCALE
+    opts = make_optimizers(
+        model, hp["lr"], args.optimizer, FINETUNE_LR_SCALE if args.init_from else 1.0
+    )
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
@@ -1325,7 +1326,7 @@ def save_model(model, tokenizer_dir: Path, out: Path, tokenizer) -> None:
     cfg["torch_dtype"] = "bfloat16"  # older readers (and the brief) use torch_dtype
     cfg["rope_theta"] = 10000.0  # older readers expect it at top level
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for f in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / f, out / f)
 
 
