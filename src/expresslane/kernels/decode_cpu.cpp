@@ -303,10 +303,7 @@ class DecodeStack {
         for (int64_t r = 0; r < rows; ++r) {
           float* s = scores.data() + r * L;
           const int64_t n = std::min(seen, starts[b] + r / G + 1);
-          const float m = *std::max_element(s, s + n);
-          float sum = 0.0f;
-          for (int64_t pos = 0; pos < n; ++pos) sum += (s[pos] = std::exp(s[pos] - m));
-          for (int64_t pos = 0; pos < n; ++pos) s[pos] /= sum;
+          ops::softmax(s, n);
           std::fill(s + n, s + seen, 0.0f);
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
