@@ -142,14 +142,19 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3, 5])  # decode, speculative verifications
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4"])
-def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arch, q_len, kv_dtype):
+def test_native_decode_step_matches_the_python_layers(
+    tmp_path, monkeypatch, checkpoints, arch, q_len, kv_dtype
+):
     """The C++ decode step (fused norms, RoPE and paged attention, over a float32, FP8 or FP4
     cache) against the Python layers, at the tensor level: sequences of different lengths in
-    one padded batch."""
+    one padded batch. The Python layers attend in PyTorch (not the C++ decode attention)."""
     from types import SimpleNamespace
 
     from expresslane import LLM
+    from expresslane.models import attention
     from expresslane.models.attention import AttentionMetadata
+
+    monkeypatch.setattr(attention, "native_decode_attention", lambda q, kv: None)
 
     bf16_copy(checkpoints[arch], tmp_path)
     engine = LLM(str(tmp_path), kv_cache_dtype=kv_dtype).engine
@@ -211,3 +216,47 @@ def test_native_decode_step_matches_the_python_layers(tmp_path, checkpoints, arc
                 assert (mine != theirs).float().mean() <= 0.01
             else:
                 torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-4, rtol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("store_name", ["PlainKV", "Fp8KV", "Fp4KV"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_decode_attention_matches_the_torch_path(store_name, q_len):
+    """The C++ decode attention the Python layers use for batches past the native step's
+    (kernels.decode_attention) against the padded gather + matmul path: 12 sequences of
+    different lengths over scattered blocks, GQA 6/2, plain or compressed KV."""
+    from types import SimpleNamespace
+
+    from expresslane.engine.runner import ModelRunner
+    from expresslane.models import kv_store
+    from expresslane.models.attention import AttentionMetadata, PagedAttention
+
+    g = torch.Generator().manual_seed(q_len)
+    block, heads, kv_heads, d = 16, 6, 2, 64
+    store = getattr(kv_store, store_name)(kv_heads, 64 * block, d, torch.float32, "cpu")
+    n = 64 * block
+    store.write(*(torch.randn(n, kv_heads, d, generator=g) for _ in range(2)), torch.arange(n))
+    perm = torch.randperm(64, generator=g).tolist()
+    lens = torch.randint(1, 60, (12,), generator=g).tolist()
+    seqs = [
+        SimpleNamespace(num_computed_tokens=c, block_ids=perm[5 * i : 5 * i + 5])
+        for i, c in enumerate(lens)
+    ]
+    runner = SimpleNamespace(block_size=block, device="cpu", dtype=torch.float32)
+    runner.padded_slots = lambda reqs, length: ModelRunner.padded_slots(runner, reqs, length)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+    ModelRunner._decode_metadata(runner, meta, seqs, q_len)
+    attn = PagedAttention(heads, kv_heads, d)
+    attn.kv = store
+    q = torch.randn(len(seqs) * q_len, heads, d, generator=g)
+    mine = kernels.decode_attention(
+        q,
+        store.native(),
+        store.NATIVE_KIND,
+        meta.decode_slots,
+        meta.decode_ctx,
+        q_len,
+        meta.decode_starts,
+    )
+    torch.testing.assert_close(mine, attn._decode_torch(q, meta), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(attn._decode(q, meta), mine, atol=0, rtol=0)  # it is used

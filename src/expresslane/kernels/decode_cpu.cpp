@@ -43,18 +43,103 @@ struct Linear {
 namespace ops = expresslane::ops;
 using expresslane::e4m3_table;
 
+constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+// One layer's paged KV cache: float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes
+// [2, Hkv, slots, D] + float16 scales [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes
+// [2, Hkv, slots, D/2] + E4M3 scales per 16 values [2, Hkv, slots, D/16]
+// (models/kv_store.py PlainKV, Fp8KV, Fp4KV: native()).
+struct PagedKV {
+  std::vector<torch::Tensor> kv;
+  int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
+  int64_t Hkv = 0, D = 0;
+
+  PagedKV() = default;
+  PagedKV(std::vector<torch::Tensor> tensors, int64_t kind_, int64_t head_dim) : kind(kind_), D(head_dim) {
+    TORCH_CHECK(tensors.size() == (kind == 0 ? 1u : 2u) && kind >= 0 && kind <= 2, "kv: [cache] or [values, scales]");
+    const auto& v = tensors[0];
+    TORCH_CHECK(v.is_contiguous() && v.dim() == 4 && v.size(0) == 2 && v.size(3) == (kind == 2 ? D / 2 : D) &&
+                    v.dtype() == (kind == 0 ? torch::kFloat32 : torch::kUInt8),
+                "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
+    TORCH_CHECK(kind == 0 || (tensors[1].is_contiguous() && tensors[1].size(2) == v.size(2) &&
+                              tensors[1].dtype() == (kind == 1 ? torch::kFloat16 : torch::kUInt8) &&
+                              tensors[1].size(3) == (kind == 1 ? 1 : D / 16)),
+                "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
+    kv = {v, kind == 0 ? torch::Tensor() : tensors[1]};
+    Hkv = v.size(1);
+  }
+  int64_t slots() const { return kv[0].size(2); }
+
+  // Row `slot` of kv head h of K (which 0) or V (which 1): in place for a float32 cache, else
+  // dequantized into buf.
+  const float* row(int64_t which, int64_t h, int64_t slot, float* buf) const {
+    const int64_t r = (which * Hkv + h) * slots() + slot;
+    if (kind == 0) return kv[0].data_ptr<float>() + r * D;
+    const float* e4m3 = e4m3_table();
+    if (kind == 1) {
+      const uint8_t* bytes = kv[0].data_ptr<uint8_t>() + r * D;
+      const float scale = static_cast<float>(kv[1].data_ptr<c10::Half>()[r]);
+      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
+      return buf;
+    }
+    const uint8_t* codes = kv[0].data_ptr<uint8_t>() + r * (D / 2);
+    const uint8_t* scales = kv[1].data_ptr<uint8_t>() + r * (D / 16);
+    for (int64_t i = 0; i < D; i += 2) {
+      const float scale = e4m3[scales[i / 16]];
+      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
+      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
+    }
+    return buf;
+  }
+};
+
+// Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
+// floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
+// 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
+// Each (sequence, kv head) pair's G * Q query rows are scored against each key row once,
+// then softmax, then one pass over the value rows.
+void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
+                     int64_t L, const int64_t* slots, const int64_t* starts) {
+  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t work = std::max<int64_t>(1, L * rows * D);
+  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
+    std::vector<float> scores(rows * L), acc(rows * D), buf(D);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hkv, h = p % Hkv;
+      const int64_t* seq = slots + b * L;
+      const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
+      for (int64_t pos = 0; pos < seen; ++pos) {
+        const float* k = c.row(0, h, seq[pos], buf.data());
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
+            scores[(j * G + g) * L + pos] = ops::dot(qr, k, D) * scale;
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * L;
+        const int64_t n = std::min(seen, starts[b] + r / G + 1);
+        ops::softmax(s, n);
+        std::fill(s + n, s + seen, 0.0f);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t pos = 0; pos < seen; ++pos) {
+        const float* v = c.row(1, h, seq[pos], buf.data());
+        for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v, acc.data() + r * D, D);
+      }
+      for (int64_t j = 0; j < Q; ++j)
+        for (int64_t g = 0; g < G; ++g)
+          std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));
+    }
+  });
+}
+
 struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms undefined unless Qwen3
   Linear qkv, o, gate_up, down;
-  // float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
-  // [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes [2, Hkv, slots, D/2] + E4M3 scales per 16
-  // values [2, Hkv, slots, D/16] (models/kv_store.py Fp8KV, Fp4KV)
-  std::vector<torch::Tensor> kv;
-  int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
-  int64_t slots() const { return kv[0].size(2); }
+  PagedKV cache;
 };
-
-constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
 
 // The E2M1 code of v as quant/formats.py e2m1_encode: nearest value, ties to the even code.
 inline uint8_t e2m1_code(float v) {
@@ -75,21 +160,12 @@ class DecodeStack {
   }
 
   // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
-  // fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (Layer::kv).
+  // fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (PagedKV).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
                  c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t kind,
                  int64_t fp4_block, int64_t fp4_scale_kind) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
-    TORCH_CHECK(kv.size() == (kind == 0 ? 1u : 2u) && kind >= 0 && kind <= 2, "kv: [cache] or [values, scales]");
-    TORCH_CHECK(kv[0].is_contiguous() && kv[0].dim() == 4 && kv[0].size(0) == 2 && kv[0].size(1) == Hkv &&
-                    kv[0].size(3) == (kind == 2 ? D / 2 : D) &&
-                    kv[0].dtype() == (kind == 0 ? torch::kFloat32 : torch::kUInt8),
-                "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
-    TORCH_CHECK(kind == 0 || (kv[1].is_contiguous() && kv[1].size(2) == kv[0].size(2) &&
-                              kv[1].dtype() == (kind == 1 ? torch::kFloat16 : torch::kUInt8) &&
-                              kv[1].size(3) == (kind == 1 ? 1 : D / 16)),
-                "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
     TORCH_CHECK(input_norm.numel() % 8 == 0, "hidden size a multiple of 8");
     auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32).contiguous(); };
     Layer l;
@@ -99,8 +175,8 @@ class DecodeStack {
     if (k_norm) l.k_norm = f32(*k_norm);
     Linear* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (int i = 0; i < 4; ++i) *dst[i] = {linears[i], i == 0 ? qkv_bias : c10::nullopt, fp4_block, fp4_scale_kind};
-    l.kv = {kv[0], kind == 0 ? torch::Tensor() : kv[1]};
-    l.kind = kind;
+    l.cache = PagedKV(kv, kind, D);
+    TORCH_CHECK(l.cache.Hkv == Hkv, "kv: Hkv heads");
     layers.push_back(l);
   }
 
@@ -131,9 +207,9 @@ class DecodeStack {
         ops::rms_norm(xp + t * hidden, l.input_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
       auto qkv = l.qkv(h);
       prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
-      write_kv(l, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
-      attend(l, qkv.data_ptr<float>(), attn.data_ptr<float>(), B, Q, L, slots_in.data_ptr<int64_t>(),
-             seq_starts.data_ptr<int64_t>());
+      write_kv(l.cache, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
+      paged_attention(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B, Q, L,
+                      slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
       ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
       for (int64_t t = 0; t < T; ++t)
         ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
@@ -222,25 +298,25 @@ class DecodeStack {
       }
   }
 
-  void write_kv(const Layer& l, const float* qkv, int64_t T, const int64_t* slots) const {
-    const int64_t S = l.slots();
+  void write_kv(const PagedKV& c, const float* qkv, int64_t T, const int64_t* slots) const {
+    const int64_t S = c.slots();
     for (int64_t t = 0; t < T; ++t)
       for (int64_t kv = 0; kv < 2; ++kv)
         for (int64_t h = 0; h < Hkv; ++h) {
           const float* src = qkv + t * qkv_width() + (H + kv * Hkv + h) * D;
           const int64_t row = (kv * Hkv + h) * S + slots[t];
-          if (l.kind == 0) {
-            std::memcpy(l.kv[0].data_ptr<float>() + row * D, src, D * sizeof(float));
-          } else if (l.kind == 1) {  // as Fp8KV.write: scale = half(max(amax / 448, 1e-8))
+          if (c.kind == 0) {
+            std::memcpy(c.kv[0].data_ptr<float>() + row * D, src, D * sizeof(float));
+          } else if (c.kind == 1) {  // as Fp8KV.write: scale = half(max(amax / 448, 1e-8))
             float amax = 0.0f;
             for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
             const c10::Half scale(std::max(amax / 448.0f, 1e-8f));
-            l.kv[1].data_ptr<c10::Half>()[row] = scale;
-            uint8_t* dst = l.kv[0].data_ptr<uint8_t>() + row * D;
+            c.kv[1].data_ptr<c10::Half>()[row] = scale;
+            uint8_t* dst = c.kv[0].data_ptr<uint8_t>() + row * D;
             for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(src[i] / static_cast<float>(scale)).x;
           } else {  // as Fp4KV.write: per 16 values, scale = e4m3(min(amax / 6, 448))
-            uint8_t* codes = l.kv[0].data_ptr<uint8_t>() + row * (D / 2);
-            uint8_t* scales = l.kv[1].data_ptr<uint8_t>() + row * (D / 16);
+            uint8_t* codes = c.kv[0].data_ptr<uint8_t>() + row * (D / 2);
+            uint8_t* scales = c.kv[1].data_ptr<uint8_t>() + row * (D / 16);
             for (int64_t blk = 0; blk < D / 16; ++blk) {
               const float* x = src + 16 * blk;
               float amax = 0.0f;
@@ -256,68 +332,6 @@ class DecodeStack {
         }
   }
 
-  // Row `slot` of kv head h of K (kv 0) or V (kv 1): in place for a float32 cache, else
-  // dequantized into buf.
-  const float* kv_row(const Layer& l, int64_t kv, int64_t h, int64_t slot, float* buf) const {
-    const int64_t row = (kv * Hkv + h) * l.slots() + slot;
-    if (l.kind == 0) return l.kv[0].data_ptr<float>() + row * D;
-    const float* e4m3 = e4m3_table();
-    if (l.kind == 1) {
-      const uint8_t* bytes = l.kv[0].data_ptr<uint8_t>() + row * D;
-      const float scale = static_cast<float>(l.kv[1].data_ptr<c10::Half>()[row]);
-      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
-      return buf;
-    }
-    const uint8_t* codes = l.kv[0].data_ptr<uint8_t>() + row * (D / 2);
-    const uint8_t* scales = l.kv[1].data_ptr<uint8_t>() + row * (D / 16);
-    for (int64_t i = 0; i < D; i += 2) {
-      const float scale = e4m3[scales[i / 16]];
-      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
-      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
-    }
-    return buf;
-  }
-
-  // Attention of every (sequence, kv head) pair over the paged cache, read in place: the
-  // pair's Q*G query rows are scored against each key row once, then softmax, then one pass
-  // over the value rows.
-  void attend(const Layer& l, const float* qkv, float* out, int64_t B, int64_t Q, int64_t L, const int64_t* slots,
-              const int64_t* starts) const {
-    const int64_t G = H / Hkv, rows = Q * G;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    const int64_t work = std::max<int64_t>(1, L * rows * D);
-    at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-      std::vector<float> scores(rows * L), acc(rows * D), buf(D);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t b = p / Hkv, h = p % Hkv;
-        const int64_t* seq = slots + b * L;
-        const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
-        for (int64_t pos = 0; pos < seen; ++pos) {
-          const float* k = kv_row(l, 0, h, seq[pos], buf.data());
-          for (int64_t j = 0; j < Q; ++j)
-            for (int64_t g = 0; g < G; ++g) {
-              const float* q = qkv + (b * Q + j) * qkv_width() + (h * G + g) * D;
-              scores[(j * G + g) * L + pos] = ops::dot(q, k, D) * scale;
-            }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = scores.data() + r * L;
-          const int64_t n = std::min(seen, starts[b] + r / G + 1);
-          ops::softmax(s, n);
-          std::fill(s + n, s + seen, 0.0f);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t pos = 0; pos < seen; ++pos) {
-          const float* v = kv_row(l, 1, h, seq[pos], buf.data());
-          for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v, acc.data() + r * D, D);
-        }
-        for (int64_t j = 0; j < Q; ++j)
-          for (int64_t g = 0; g < G; ++g)
-            std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));
-      }
-    });
-  }
-
   int64_t H, Hkv, D, F;
   float eps;
   std::vector<Layer> layers;
@@ -325,7 +339,26 @@ class DecodeStack {
   Linear head_;
 };
 
+// The decode attention alone, for batches the Python layers run (models/attention.py):
+// q [B*Q, H, D] float32 after RoPE, kv/kind a store's native() tensors. Returns [B*Q, H*D].
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor decode_slots,
+                               int64_t L, int64_t Q, torch::Tensor starts) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "q: float32 [B*Q, H, D]");
+  q = q.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = T / Q;
+  const PagedKV cache(std::move(kv), kind, D);
+  TORCH_CHECK(D % 8 == 0 && H % cache.Hkv == 0 && B * Q == T, "head_dim a multiple of 8, GQA groups, B*Q rows");
+  auto slots = decode_slots.to(torch::kInt64).contiguous();
+  auto seq_starts = starts.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == B * L && seq_starts.numel() == B, "slots [B*L], starts [B]");
+  auto out = torch::empty({T, H * D}, q.options());
+  paged_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, Q, L, slots.data_ptr<int64_t>(),
+                  seq_starts.data_ptr<int64_t>());
+  return out;
+}
+
 void register_decode_stack(pybind11::module& m) {
+  m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)

@@ -3,7 +3,9 @@
 A step's tokens are flattened into one [T, ...] batch. The first `num_decode_tokens` belong to
 "uniform" sequences that each bring `decode_q_len` new tokens (1 for plain decode, k+1 for
 speculative verification); they are attended as one padded batch with a grouped `bmm`, which
-on CPU is 8-15x faster than SDPA for a single query. The remaining tokens are prefill chunks,
+on CPU is 8-15x faster than SDPA for a single query; on CPUs with the native kernels, by a
+C++ loop that reads the paged cache in place (at batch 64, ~13x faster than the gather and
+`bmm`). The remaining tokens are prefill chunks,
 attended one sequence at a time with SDPA.
 
 The KV cache of one layer is a store (models/kv_store.py: plain, FP8 or FP4) addressed by slot =
@@ -42,6 +44,17 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def native_decode_attention(q: torch.Tensor, kv):
+    """The C++ decode attention (kernels/decode_cpu.cpp) where it can serve this call: CPU,
+    float32, and a KV store it reads; else None."""
+    if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 8 or kv.native() is None:
+        return None
+    from expresslane.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return None if kernels is None else kernels.decode_attention
+
+
 class PagedAttention(torch.nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -67,6 +80,14 @@ class PagedAttention(torch.nn.Module):
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        native = native_decode_attention(q, self.kv)
+        if native is not None:  # reads the paged cache in place, no padded gather
+            kv, kind = self.kv.native(), self.kv.NATIVE_KIND
+            L, Q = meta.decode_ctx, meta.decode_q_len
+            return native(q, kv, kind, meta.decode_slots, L, Q, meta.decode_starts)
+        return self._decode_torch(q, meta)
+
+    def _decode_torch(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
         kv = self.kv.read(meta.decode_slots).view(2, Hkv, B, L, D)
