@@ -83,17 +83,23 @@ def test_quantize_at_load_equals_the_quantized_checkpoint(llama_dir, tmp_path):
         main(["quantize", "--format", "mxfp4", str(tmp_path), str(tmp_path / "x")])
 
 
-def test_fp4_decode_step_in_cpp_matches_the_python_layers(llama_dir, tmp_path):
+@pytest.mark.parametrize("batch", [6, 20])  # 20: past the bf16 limit, within DECODE_ROWS
+def test_fp4_decode_step_in_cpp_matches_the_python_layers(llama_dir, tmp_path, monkeypatch, batch):
     """The C++ decode step runs FP4 linears too; it must produce the Python layers' tokens
     (both call the same kernel; the kernel against the reference is in test_kernels.py)."""
+    from expresslane.quant.linear import Fp4Linear
+
+    # the Python layers call the kernel for as many rows as the native step does
+    monkeypatch.setattr(Fp4Linear, "SMALL_BATCH", Fp4Linear.DECODE_ROWS)
     qdir = tmp_path / "q"
     main(["quantize", "--format", "nvfp4", str(llama_dir), str(qdir)])
-    prompts = random_prompts(6, 5, 40, seed=6)
+    prompts = random_prompts(batch, 5, 40, seed=6)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     fast = LLM(str(qdir), dtype="float32")
     if fast.engine.model.decode_stack is None:
         pytest.skip("no AVX2 CPU kernels here")
     slow = LLM(str(qdir), dtype="float32")
     slow.engine.model.decode_stack = None
+    assert fast.engine.model.native_rows >= batch
     a, b = fast.generate(prompts, params), slow.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

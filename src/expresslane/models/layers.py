@@ -30,7 +30,9 @@ class Linear(nn.Module):
     kernel at decode batch sizes, which moves half the bytes of the float32 matmul.
     """
 
-    SMALL_BATCH = 8  # up to this many rows the bf16 kernel beats the float32 matmul
+    # Up to this many rows the bf16 kernel (8 rows per pass over W) beats the float32
+    # matmul: 63 against 92 ms for SmolLM2-135M's 120 layer linears at 16 rows; even at 32.
+    SMALL_BATCH = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -15,6 +15,7 @@ from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.quant.linear import Fp4Linear
 
 
 class DecoderLayer(nn.Module):
@@ -77,6 +78,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
         self.decode_stack = None
         self.native_head = False  # decode_stack has the output head: logits, greedy
+        self.native_rows = 0  # decode-only steps of up to this many tokens run decode_stack
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -92,6 +94,8 @@ class LlamaModel(nn.Module):
         self.native_head = (
             self.decode_stack is not None and self.lm_head.kernel_weights() is not None
         )
+        fp4 = isinstance(self.layers[0].qkv, Fp4Linear)
+        self.native_rows = Fp4Linear.DECODE_ROWS if fp4 else Linear.SMALL_BATCH
 
     @torch.inference_mode()
     def forward(
@@ -105,7 +109,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         fast = self.decode_stack is not None and meta.num_decode_tokens == x.shape[0]
-        if fast and x.shape[0] <= Linear.SMALL_BATCH:
+        if fast and x.shape[0] <= self.native_rows:
             x = self.decode_stack.forward(
                 x,
                 cos,
