@@ -1,0 +1,112 @@
+// Decode attention over the paged KV cache, read in place (plain, FP8 or FP4 blocks): used by
+// the native decode step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers at
+// larger batches. Tested against models/attention.py's gather + matmul path.
+#pragma once
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "decode_ops.h"
+
+namespace expresslane {
+
+constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+// One layer's paged KV cache: float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes
+// [2, Hkv, slots, D] + float16 scales [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes
+// [2, Hkv, slots, D/2] + E4M3 scales per 16 values [2, Hkv, slots, D/16]
+// (models/kv_store.py PlainKV, Fp8KV, Fp4KV: native()).
+struct PagedKV {
+  std::vector<torch::Tensor> kv;
+  int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
+  int64_t Hkv = 0, D = 0;
+
+  PagedKV() = default;
+  PagedKV(std::vector<torch::Tensor> tensors, int64_t kind_, int64_t head_dim) : kind(kind_), D(head_dim) {
+    TORCH_CHECK(tensors.size() == (kind == 0 ? 1u : 2u) && kind >= 0 && kind <= 2, "kv: [cache] or [values, scales]");
+    const auto& v = tensors[0];
+    TORCH_CHECK(v.is_contiguous() && v.dim() == 4 && v.size(0) == 2 && v.size(3) == (kind == 2 ? D / 2 : D) &&
+                    v.dtype() == (kind == 0 ? torch::kFloat32 : torch::kUInt8),
+                "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
+    TORCH_CHECK(kind == 0 || (tensors[1].is_contiguous() && tensors[1].size(2) == v.size(2) &&
+                              tensors[1].dtype() == (kind == 1 ? torch::kFloat16 : torch::kUInt8) &&
+                              tensors[1].size(3) == (kind == 1 ? 1 : D / 16)),
+                "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
+    kv = {v, kind == 0 ? torch::Tensor() : tensors[1]};
+    Hkv = v.size(1);
+  }
+  int64_t slots() const { return kv[0].size(2); }
+
+  // Row `slot` of kv head h of K (which 0) or V (which 1): in place for a float32 cache, else
+  // dequantized into buf.
+  const float* row(int64_t which, int64_t h, int64_t slot, float* buf) const {
+    const int64_t r = (which * Hkv + h) * slots() + slot;
+    if (kind == 0) return kv[0].data_ptr<float>() + r * D;
+    const float* e4m3 = e4m3_table();
+    if (kind == 1) {
+      const uint8_t* bytes = kv[0].data_ptr<uint8_t>() + r * D;
+      const float scale = static_cast<float>(kv[1].data_ptr<c10::Half>()[r]);
+      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
+      return buf;
+    }
+    const uint8_t* codes = kv[0].data_ptr<uint8_t>() + r * (D / 2);
+    const uint8_t* scales = kv[1].data_ptr<uint8_t>() + r * (D / 16);
+    for (int64_t i = 0; i < D; i += 2) {
+      const float scale = e4m3[scales[i / 16]];
+      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
+      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
+    }
+    return buf;
+  }
+};
+
+// Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
+// floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
+// 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
+// Each (sequence, kv head) pair's G * Q query rows are scored against each key row once,
+// then softmax, then one pass over the value rows.
+inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
+                     int64_t L, const int64_t* slots, const int64_t* starts) {
+  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t work = std::max<int64_t>(1, L * rows * D);
+  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
+    std::vector<float> scores(rows * L), acc(rows * D), buf(D);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hkv, h = p % Hkv;
+      const int64_t* seq = slots + b * L;
+      const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
+      for (int64_t pos = 0; pos < seen; ++pos) {
+        const float* k = c.row(0, h, seq[pos], buf.data());
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
+            scores[(j * G + g) * L + pos] = ops::dot(qr, k, D) * scale;
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * L;
+        const int64_t n = std::min(seen, starts[b] + r / G + 1);
+        ops::softmax(s, n);
+        std::fill(s + n, s + seen, 0.0f);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t pos = 0; pos < seen; ++pos) {
+        const float* v = c.row(1, h, seq[pos], buf.data());
+        for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v, acc.data() + r * D, D);
+      }
+      for (int64_t j = 0; j < Q; ++j)
+        for (int64_t g = 0; g < G; ++g)
+          std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));
+    }
+  });
+}
+
+}  // namespace expresslane
