@@ -260,3 +260,22 @@ def test_decode_attention_matches_the_torch_path(store_name, q_len):
     )
     torch.testing.assert_close(mine, attn._decode_torch(q, meta), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(attn._decode(q, meta), mine, atol=0, rtol=0)  # it is used
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path):
+    """torch's extension build waits for its lock file to vanish; one left by a killed build
+    would make every later start hang without a word."""
+    import os
+    import time
+
+    from expresslane.kernels import STALE_LOCK_SECONDS, clear_stale_build_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    clear_stale_build_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    clear_stale_build_lock(tmp_path)
+    assert not lock.exists()
+    clear_stale_build_lock(tmp_path)  # nothing to do

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -16,21 +17,42 @@ log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
 
 
+STALE_LOCK_SECONDS = 600  # a build takes 1-2 minutes here
+
+
+def clear_stale_build_lock(build_dir: Path) -> None:
+    """Remove the build lock a killed build left behind (e.g. Ctrl-C during the first
+    `expresslane serve`): torch waits for it to vanish, silently and forever."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled AVX2 module, or None."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
         # torch rebuilds when a listed source changes, not a header: name the build by all files
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*"))))
+        name = f"expresslane_cpu_kernels_{digest.hexdigest()[:12]}"
+        build_dir = Path(get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_build_lock(build_dir)
         return load(
-            name=f"expresslane_cpu_kernels_{digest.hexdigest()[:12]}",
+            name=name,
             sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers: fall back to PyTorch ops
