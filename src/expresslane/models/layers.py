@@ -40,6 +40,7 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features = weight.shape[0]
         self._packed: torch.Tensor | None = None
+        self._packed_bf16 = False  # _packed holds bf16 weights for float32 activations
         self._bf16: torch.Tensor | None = None
         self._bf16_kernel = None
 
@@ -47,13 +48,18 @@ class Linear(nn.Module):
         from expresslane.kernels import cpu_kernels
 
         w = self.weight.data
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
         if w.dtype == torch.bfloat16 and compute_dtype == torch.float32:
             kernels = cpu_kernels()
             if kernels is not None:
                 self._bf16, self._bf16_kernel = w, kernels.bf16_linear
+            if onednn_prepack_supported(torch.bfloat16):  # AVX-512 BF16 / AMX
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+                self._packed_bf16 = True
+                self.weight = None
+                return
         w = w.to(compute_dtype)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
         if onednn_prepack_supported(compute_dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
             self.weight = None  # the packed copy replaces the plain one
@@ -67,6 +73,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_kernel is not None and x.shape[0] <= self.SMALL_BATCH:
             return self._bf16_kernel(x, self._bf16, self.bias)
+        if self._packed_bf16:  # float32 activations through the bf16 matmul
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.to(torch.bfloat16), self._packed, None, "none", [None], ""
+            ).float()
+            return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [None], ""
