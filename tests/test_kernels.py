@@ -30,6 +30,22 @@ def test_bf16_linear_matches_float32_reference(m, n, k, bias):
 
 
 @needs_kernels
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="batch invariance is AVX-512's"
+)
+def test_bf16_linear_rows_do_not_depend_on_the_batch():
+    """Each output row is summed in the same order at any batch size: bit-identical alone and
+    batched, so a speculative verification reproduces plain decoding exactly."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 229, generator=g)  # 229 = 3 * 64 + 2 * 16 + 5: every tail
+    w = torch.randn(131, 229, generator=g).bfloat16()
+    b = torch.randn(131, generator=g)
+    alone = torch.cat([kernels.bf16_linear(x[i : i + 1], w, b) for i in range(16)])
+    for m in (2, 3, 5, 8, 16):
+        assert torch.equal(kernels.bf16_linear(x[:m], w, b), alone[:m])
+
+
+@needs_kernels
 def test_linear_uses_the_kernel_for_small_batches_only():
     w = torch.randn(96, 64).bfloat16()
     lin = Linear(w.clone(), torch.randn(96))

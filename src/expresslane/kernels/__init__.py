@@ -17,6 +17,9 @@ log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
 
 
+# torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef)
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+
 STALE_LOCK_SECONDS = 600  # a build takes 1-2 minutes here
 
 
@@ -43,14 +46,15 @@ def cpu_kernels():
 
         # torch rebuilds when a listed source changes, not a header: name the build by all files
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*"))))
-        name = f"expresslane_cpu_kernels_{digest.hexdigest()[:12]}"
+        isa = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
+        name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_build_lock(build_dir)
         return load(
             name=name,
             sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *ISA_FLAGS.get(isa, [])],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
