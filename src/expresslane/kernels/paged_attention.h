@@ -26,7 +26,9 @@ constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.
 struct PagedKV {
   std::vector<torch::Tensor> kv;
   int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
-  int64_t Hkv = 0, D = 0;
+  int64_t Hkv = 0, D = 0, S = 0;  // kv heads, head dim, slots
+  uint8_t* values = nullptr;  // kv[0]'s data
+  const void* scales = nullptr;  // kv[1]'s data (FP8, FP4)
 
   PagedKV() = default;
   PagedKV(std::vector<torch::Tensor> tensors, int64_t kind_, int64_t head_dim) : kind(kind_), D(head_dim) {
@@ -41,25 +43,28 @@ struct PagedKV {
                 "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
     kv = {v, kind == 0 ? torch::Tensor() : tensors[1]};
     Hkv = v.size(1);
+    S = v.size(2);
+    values = static_cast<uint8_t*>(v.data_ptr());  // raw pointers: row() runs ~10^5 times a step
+    if (kind > 0) scales = kv[1].data_ptr();
   }
-  int64_t slots() const { return kv[0].size(2); }
+  int64_t slots() const { return S; }
 
   // Row `slot` of kv head h of K (which 0) or V (which 1): in place for a float32 cache, else
   // dequantized into buf.
   const float* row(int64_t which, int64_t h, int64_t slot, float* buf) const {
-    const int64_t r = (which * Hkv + h) * slots() + slot;
-    if (kind == 0) return kv[0].data_ptr<float>() + r * D;
+    const int64_t r = (which * Hkv + h) * S + slot;
+    if (kind == 0) return reinterpret_cast<const float*>(values) + r * D;
     const float* e4m3 = e4m3_table();
     if (kind == 1) {
-      const uint8_t* bytes = kv[0].data_ptr<uint8_t>() + r * D;
-      const float scale = static_cast<float>(kv[1].data_ptr<c10::Half>()[r]);
+      const uint8_t* bytes = values + r * D;
+      const float scale = static_cast<float>(static_cast<const c10::Half*>(scales)[r]);
       for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
       return buf;
     }
-    const uint8_t* codes = kv[0].data_ptr<uint8_t>() + r * (D / 2);
-    const uint8_t* scales = kv[1].data_ptr<uint8_t>() + r * (D / 16);
+    const uint8_t* codes = values + r * (D / 2);
+    const uint8_t* row_scales = static_cast<const uint8_t*>(scales) + r * (D / 16);
     for (int64_t i = 0; i < D; i += 2) {
-      const float scale = e4m3[scales[i / 16]];
+      const float scale = e4m3[row_scales[i / 16]];
       buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
       buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
     }
