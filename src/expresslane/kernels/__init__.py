@@ -38,7 +38,7 @@ def clear_stale_build_lock(build_dir: Path) -> None:
 
 @functools.cache
 def cpu_kernels():
-    """The compiled AVX2 module, or None."""
+    """The compiled module (AVX2, plus AVX-512 paths where torch reports AVX512), or None."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:

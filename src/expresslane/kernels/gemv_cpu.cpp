@@ -1,10 +1,11 @@
-// Small-batch linear layers for CPUs with AVX2 + FMA: y = x W^T (+ b), x float32 [M, K],
-// W bfloat16 [N, K] (row-major, as stored by Hugging Face), y float32 [M, N].
+// Small-batch linear layers for CPUs with AVX2 + FMA, and AVX-512 where built with it:
+// y = x W^T (+ b), x float32 [M, K], W bfloat16 [N, K] (row-major, as stored by Hugging
+// Face), y float32 [M, N].
 //
 // At decode batch sizes a linear layer is a matrix-vector product bound by the bytes of W
-// it reads. Keeping W in bf16 halves those bytes against float32; CPUs without AVX-512 BF16
-// have no bf16 dot product, so each 8-value chunk is widened to float32 in registers (a
-// 16-bit shift) and fed to FMAs.
+// it reads. Keeping W in bf16 halves those bytes against float32. Each chunk of W is widened
+// to float32 in registers (a 16-bit shift) and fed to float32 FMAs, also where AVX-512 BF16
+// has a bf16 dot product: that would round x to bf16 too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -164,5 +165,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
   m.def("fp4_dequantize", &fp4_dequantize, "MXFP4/NVFP4 codes + block scales -> float32 weight (AVX2)");
-  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA)");
+  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
 }
