@@ -51,6 +51,8 @@ def cpu_kernels():
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_build_lock(build_dir)
+        if not (build_dir / f"{name}.so").exists():
+            log.info("compiling the %s CPU kernels (once, about a minute) in %s", isa, build_dir)
         return load(
             name=name,
             sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
