@@ -82,8 +82,10 @@ class EngineConfig:
         # (SmolLM2-135M); larger matmuls run oneDNN (see `Linear.prepare_cpu`). A half dtype
         # without kernels computes in float32 only where its matmuls are slow (no AVX-512).
         upcast = self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32
-        kernels = dtype == torch.bfloat16 and cpu_kernels() is not None
-        if upcast and (kernels or not onednn_prepack_supported(dtype)):
+        if upcast and (
+            (dtype == torch.bfloat16 and cpu_kernels() is not None)
+            or not onednn_prepack_supported(dtype)
+        ):
             return torch.float32, dtype if dtype == torch.bfloat16 else torch.float32
         return dtype, dtype
 

@@ -39,14 +39,14 @@ def clear_stale_build_lock(build_dir: Path) -> None:
 @functools.cache
 def cpu_kernels():
     """The compiled module (AVX2, plus AVX-512 paths where torch reports AVX512), or None."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    isa = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
+    if isa not in ("AVX2", "AVX512"):
         return None
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
 
         # torch rebuilds when a listed source changes, not a header: name the build by all files
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*"))))
-        isa = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
         name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -44,10 +44,11 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def native_decode_attention(q: torch.Tensor, kv):
+def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
     """The C++ decode attention (kernels/decode_cpu.cpp) where it can serve this call: CPU,
-    float32, and a KV store it reads; else None."""
-    if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 8 or kv.native() is None:
+    float32, and a KV store it reads (`kv_tensors`: the store's native(), None if it has
+    none); else None."""
+    if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 8 or kv_tensors is None:
         return None
     from expresslane.kernels import cpu_kernels
 
@@ -80,10 +81,10 @@ class PagedAttention(torch.nn.Module):
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        native = native_decode_attention(q, self.kv)
+        kv = self.kv.native()
+        native = native_decode_attention(q, kv)
         if native is not None:  # reads the paged cache in place, no padded gather
-            kv, kind = self.kv.native(), self.kv.NATIVE_KIND
-            L, Q = meta.decode_ctx, meta.decode_q_len
+            L, Q, kind = meta.decode_ctx, meta.decode_q_len, self.kv.NATIVE_KIND
             return native(q, kv, kind, meta.decode_slots, L, Q, meta.decode_starts)
         return self._decode_torch(q, meta)
 

@@ -161,7 +161,7 @@ def build_decode_stack(model: LlamaModel):
         return None  # the native step works on rows of multiples of 8
     from expresslane.kernels import cpu_kernels
 
-    fp4 = [m for m in linears if hasattr(m, "fmt")]
+    fp4 = [m for m in linears if isinstance(m, Fp4Linear)]
     block = fp4[0].fmt.block_size if fp4 else 0
     kind = fp4[0].fmt.kernel_scale_kind if fp4 else 0
     stack = cpu_kernels().DecodeStack(
