@@ -46,6 +46,9 @@ Recipe
    then cosine decay to 10% of the peak, gradient clipping at 1.0, 2 threads.
    target: d=384, 4 layers, 6 heads (2 KV heads), MLP 1152 (10.0M parameters).
    draft:   d=128, 4 layers, 4 heads (2 KV heads), MLP 384 (1.8M parameters).
+   The draft trains after the target and distills from it: its loss adds the KL divergence
+   from the target's next-token distribution (``DISTILL_WEIGHT``), so that it learns to guess
+   what the target will say, which is what speculative decoding accepts.
 5. Budget. Unless ``--target-steps`` / ``--draft-steps`` (or a recorded ``--*-plan``) are given,
    the step count is planned from a wall-time budget: the warmup steps (whose learning rates do
    not depend on the total) are timed and the schedule's end is set to fill the budget; every
@@ -131,6 +134,10 @@ FINETUNE_EPOCH_TOKENS = 2_000_000
 FINETUNE_LR_SCALE = 0.5
 FINETUNE_WARMUP = 20
 STREAM_MIX = {"main": MIX, "anneal": ANNEAL_MIX, "finetune": FINETUNE_MIX}
+# The draft learns from the trained target too: its loss adds DISTILL_WEIGHT times the KL
+# divergence from the target's next-token distribution, so that it guesses what the target
+# would say (what speculative decoding accepts), not only what the data says.
+DISTILL_WEIGHT = 1.0
 SHORT_FUNCTION_LINES = 15  # whole-function documents have at most this many lines after the doc
 
 MODEL_SHAPES = {
@@ -1143,8 +1150,11 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None) -> dict:
+def train_model(
+    name: str, data: Data, args, fixed_plan: list[list[int]] | None, teacher=None
+) -> dict:
     """Train one model. ``fixed_plan`` replays a schedule; None plans it from the time budget.
+    ``teacher`` (the trained target, when training the draft) adds the distillation term.
 
     The schedule is a list of ``[from_step, total_steps]``: the cosine decay of step ``s`` is
     computed against the last entry whose ``from_step <= s``. An adaptive run adds the first entry
@@ -1184,7 +1194,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
-    step, elapsed, losses, anneal_from = 0, 0.0, [], None
+    step, elapsed, losses, kls, anneal_from = 0, 0.0, [], [], None
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False, map_location=args.device)
         if not adaptive and state["plan"] != plan[: len(state["plan"])]:
@@ -1196,6 +1206,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         for opt, opt_state in zip(opts, state["optimizers"]):
             opt.load_state_dict(opt_state)
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
+        kls = state.get("kls", [])
         anneal_from = state.get("anneal_from")
         if adaptive:
             plan = state["plan"]
@@ -1213,6 +1224,7 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
             step=step,
             elapsed=elapsed,
             losses=losses,
+            kls=kls,
             plan=plan,
             anneal_from=anneal_from,
         )
@@ -1241,13 +1253,24 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         else:
             batch = data.batch(step - anneal_from, hp["batch"], "anneal")
         batch = batch.to(args.device)
-        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
-        )
+        autocast = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=use_bf16)
+        with autocast:
+            logits = model(input_ids=batch[:, :-1]).logits.float().reshape(-1, VOCAB_SIZE)
+        loss = F.cross_entropy(logits, batch[:, 1:].reshape(-1))  # logged, as in earlier runs
+        objective = loss
+        if teacher is not None:
+            with torch.no_grad(), autocast:
+                target = teacher(input_ids=batch[:, :-1]).logits.float().reshape(-1, VOCAB_SIZE)
+            kl = F.kl_div(
+                F.log_softmax(logits, -1),
+                F.log_softmax(target, -1),
+                log_target=True,
+                reduction="batchmean",
+            )
+            objective = loss + DISTILL_WEIGHT * kl
+            kls.append(round(kl.item(), 4))
         model.zero_grad(set_to_none=True)
-        loss.backward()
+        objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in opts:
             opt.step()
@@ -1275,8 +1298,9 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
             recent = losses[-args.log_every :]
             tps = step * hp["batch"] * SEQ_LEN / max(elapsed, 1e-9)
             eta = (total - step) * elapsed / step if total else float("nan")
+            kl = f"kl {sum(kls[-len(recent) :]) / len(recent):.3f} " if kls else ""
             log(
-                f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} "
+                f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} {kl}"
                 f"lr {lr:.2e} {tps:,.0f} tok/s elapsed {elapsed:.0f}s eta {eta:.0f}s"
             )
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
@@ -1301,7 +1325,9 @@ def train_model(name: str, data: Data, args, fixed_plan: list[list[int]] | None)
         precision="bf16 autocast" if use_bf16 else "fp32",
         device=args.device,
         train_seconds=round(elapsed, 1),
-        final_train_loss=round(sum(final) / len(final), 4),
+        final_train_loss=round(sum(final) / len(final), 4) if final else None,
+        distill_weight=DISTILL_WEIGHT if teacher is not None else None,
+        final_kl_to_target=round(sum(kls[-20:]) / len(kls[-20:]), 4) if kls else None,
         budget_seconds=budget,
         shape=MODEL_SHAPES[name],
     )
@@ -1445,13 +1471,15 @@ def main(argv: list[str] | None = None) -> None:
     for stream in ("finetune",) if args.init_from else ("main", "anneal"):
         data.epoch(0, stream)  # later epochs are built when (if) training reaches them
     prep_seconds = time.time() - t_start
-    results = {}
+    results, teacher = {}, None
     for name in ("target", "draft"):
         steps, plan = getattr(args, f"{name}_steps"), getattr(args, f"{name}_plan")
-        fixed = parse_plan(plan) if plan else ([[0, steps]] if steps else None)
-        res = train_model(name, data, args, fixed)
-        model = res.pop("model").to("cpu")
+        fixed = parse_plan(plan) if plan else ([[0, steps]] if steps is not None else None)
+        res = train_model(name, data, args, fixed, teacher)
+        model = res.pop("model")
         save_model(model, work / "tokenizer", args.out_dir / name, data.tokenizer)
+        if name == "target":
+            teacher = model.eval()  # as shipped (bf16): the draft distills from it
         res["epochs_touched"] = [f"{s}_{e}" for s, e in sorted(data.epochs)]
         results[name] = res
         log(f"{name}: saved to {args.out_dir / name}")

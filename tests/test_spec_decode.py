@@ -173,3 +173,45 @@ def test_speculation_stops_past_the_batch_limit_except_for_ultrafast(llama_dir):
     assert engine.lane_spec_stats["ultrafast"].proposed > 0
     assert engine.lane_spec_stats["default"].proposed == 0
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
+
+
+def test_speculation_payoff_is_measured_per_batch_size():
+    from expresslane.spec.payoff import SpecPayoff
+
+    payoff = SpecPayoff(explore_every=4, settled_explore_every=16, min_samples=2)
+    # untimed: guess, but every 4th step runs plain to time it
+    assert [payoff.speculate(1) for _ in range(8)] == [True, True, True, False] * 2
+    assert payoff.pays(1) is None
+    for _ in range(2):
+        payoff.record(1, True, 0.003, 2)  # 1.5 ms per token with guesses
+        payoff.record(1, False, 0.001, 1)  # 1 ms without
+    assert payoff.pays(1) is False
+    decisions = [payoff.speculate(1) for _ in range(32)]
+    assert decisions.count(True) == 2  # only the exploring steps guess
+    assert payoff.pays(2) is None  # another batch size, timed on its own
+    for _ in range(2):
+        payoff.record(4, True, 0.003, 6)
+        payoff.record(3, False, 0.004, 4)  # 3 and 4 share a bucket
+    assert payoff.pays(4) is True and payoff.pays(3) is True and payoff.pays(5) is None
+    assert [payoff.speculate(4) for _ in range(16)].count(False) == 1
+
+
+def test_lanes_stop_guessing_where_it_does_not_pay_except_ultrafast(llama_dir):
+    prompt = random_prompts(1, 10, 11, seed=33)[0]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = LLM(str(llama_dir), dtype="float32").generate(prompt, params)[0].token_ids
+    llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 4, "max_batch": None})
+    engine = llm.engine
+    scripted = _Scripted(prompt + plain, right=True)
+    for spec in engine.proposers.values():  # every lane's
+        spec.proposer = scripted
+    for _ in range(4):  # timed: guessing costs ten times what it yields, at batch 1
+        engine.spec_payoff.record(1, True, 1.0, 1)
+        engine.spec_payoff.record(1, False, 0.1, 1)
+    assert llm.generate(prompt, params)[0].token_ids == plain
+    assert scripted.asked == []  # 31 steps, none of them a 64th exploring one
+    req = engine.add_request(prompt, params, lane="ultrafast")
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == plain
+    assert scripted.asked and engine.lane_spec_stats["ultrafast"].accepted > 0

@@ -25,6 +25,7 @@ from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
 from expresslane.spec import best_length, expected_tokens, make_proposer, proposal_length
 from expresslane.spec.draft import DraftModelProposer
+from expresslane.spec.payoff import SpecPayoff
 from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
 
@@ -99,6 +100,7 @@ class LLMEngine:
                 self.proposers[lane.rank] = make_proposer(spec, self.device.type, self._load_draft)
         self.spec_stats = SpecStats()  # all lanes
         self.lane_spec_stats = {name: SpecStats() for name in self.lanes}
+        self.spec_payoff = SpecPayoff()
         self._targets_resolved = False
         self._calibrating = False  # steps are timed into the calibration set
 
@@ -226,14 +228,16 @@ class LLMEngine:
         for req, _ in batch.items:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
+        guesses = sum(len(req.draft_ids) for req, _ in batch.items)
         samples, result = self.runner.step(batch.items)
         for req, n in batch.items:
             req.num_computed_tokens += n - len(req.draft_ids)
         outputs: list[RequestOutput] = []
-        row = 0
+        row = emitted = 0
         for req, rows in samples:
             accepted = self._accept(req, result, row, rows)
             row += rows
+            emitted += accepted
             outputs.append(self.outputs.make_output(req, accepted))
         for req, _ in batch.items:
             self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
@@ -241,6 +245,9 @@ class LLMEngine:
                 self._remove(req)
                 self.requests.pop(req.request_id, None)
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, start)
+        if self.proposers and batch.num_tokens == len(batch.items) + guesses:  # decodes only
+            seconds = time.perf_counter() - start
+            self.spec_payoff.record(len(batch.items), guesses > 0, seconds, emitted)
         return outputs
 
     def _observe(self, seqs: int, tokens: int, context: int, start: float) -> None:
@@ -278,9 +285,12 @@ class LLMEngine:
     def _propose(self) -> None:
         """Guess the next tokens of requests that are decoding, one proposer call per lane.
         Lanes without a speed target stop guessing while the running batch is past where
-        verification pays. Adaptive lanes choose each request's number of guesses from its
-        acceptance rate and the step-latency model (`best_length`): most tokens per second."""
+        verification pays, or while guessing is measured to be slower than not at this batch
+        size (`SpecPayoff`, adaptive lanes). Adaptive lanes choose each request's number of
+        guesses from its acceptance rate and the step-latency model (`best_length`): most
+        tokens per second."""
         running = self.scheduler.running
+        pays = self.spec_payoff.speculate(len(running))
         wanted: dict[int, tuple[list[Request], list[int]]] = {}
         context = sum(r.num_tokens for r in running)
 
@@ -292,10 +302,9 @@ class LLMEngine:
             spec = self.proposers.get(req.priority)
             if spec is None:
                 continue
-            if (
-                spec.max_batch is not None
-                and len(running) > spec.max_batch
-                and self.lanes[req.lane].target_tokens_per_s is None
+            if self.lanes[req.lane].target_tokens_per_s is None and (
+                (spec.max_batch is not None and len(running) > spec.max_batch)
+                or (spec.adaptive and not pays)
             ):
                 continue
             decoding = req.num_computed_tokens == req.num_tokens - 1

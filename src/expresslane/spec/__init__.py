@@ -34,7 +34,9 @@ class SpecConfig:
     proposer: Proposer
     num_tokens: int  # the most guesses per step
     max_batch: int | None  # speculate only while the running batch is at most this
-    adaptive: bool = True  # each request's guesses follow its acceptance rate
+    # each request's guesses follow its acceptance rate, and a lane without a speed target
+    # stops guessing at batch sizes where it is measured not to pay (spec/payoff.py)
+    adaptive: bool = True
 
 
 def make_proposer(
