@@ -1,11 +1,12 @@
-"""Does speculation pay at this batch size? Measured, not predicted: a running average of the
-wall time per emitted token of decode steps with guesses and of steps without, per batch size
-(powers of two). Where guessing is slower, which the proposer's cost alone can make it (a draft
-model next to a target that is itself cheap, or guesses that are seldom right), speculation
-turns off, and some steps of each batch size run the other way, so that a change (a warmer
-machine, a request that starts copying its prompt) is noticed: every
-`explore_every`-th step until both ways are timed, every `settled_explore_every`-th after
-(an exploring draft model first catches up on the tokens it skipped, which costs)."""
+"""Does speculation pay at this batch size? Measured rather than predicted: for decode steps
+with guesses and without, a running average of wall time per emitted token, per batch-size
+bucket (1, 2, 3-4, 5-8, ...). Guessing can lose even when guesses are often right: a draft
+model's proposals take time, and next to a cheap target the extra verification rows cost about
+as much as the tokens they save. Where steps with guesses are slower per token, speculation
+turns off. Some steps still run the other way, so that a change (a warmer machine, a request
+that starts copying its prompt) is noticed: every `explore_every`-th while a bucket is untimed,
+every `settled_explore_every`-th after (rarely, since an exploring draft model first catches
+up on the tokens it skipped)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class SpecPayoff:
 
     def pays(self, batch: int) -> bool | None:
         """True / False once both ways have been timed at this batch size; None before."""
-        spec, plain = self._bucket(batch).arms[True], self._bucket(batch).arms[False]
+        arms = self._bucket(batch).arms
+        spec, plain = arms[True], arms[False]
         if min(spec.samples, plain.samples) < self.min_samples:
             return None
         return spec.seconds_per_token <= plain.seconds_per_token
