@@ -244,14 +244,13 @@ class LLMEngine:
             if req.is_finished:
                 self._remove(req)
                 self.requests.pop(req.request_id, None)
-        self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, start)
+        seconds = time.perf_counter() - start
+        self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
         if self.proposers and batch.num_tokens == len(batch.items) + guesses:  # decodes only
-            seconds = time.perf_counter() - start
             self.spec_payoff.record(len(batch.items), guesses > 0, seconds, emitted)
         return outputs
 
-    def _observe(self, seqs: int, tokens: int, context: int, start: float) -> None:
-        seconds = time.perf_counter() - start
+    def _observe(self, seqs: int, tokens: int, context: int, seconds: float) -> None:
         if self._calibrating:
             self.step_model.add_calibration(seqs, tokens, context, seconds)
         else:
