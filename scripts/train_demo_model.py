@@ -71,9 +71,11 @@ Recipe
    and the code, answered with the edited code). The fresh names make the source new to the
    model, so the repeat can only be predicted by copying from the context, the skill that
    prompt-lookup speculation (and copying a requested path into a tool call) rides on.
-   ``training.json`` keeps the base model's record under ``base``. Not yet enough: from the
-   shipped weights, 185-400 steps of it left the loss on a held-out function's repeat where
-   it was (~4.2 nats per token); see MODEL_CARD.md, "Copying".
+   ``training.json`` keeps the base model's record under ``base``. Edits alone did not teach
+   copying (185-400 steps left the loss on a held-out function's repeat at ~4.2 nats per
+   token). ``--copy-heads`` does (``copy_heads.py``): it names the attention patterns of a
+   previous-token head and an induction head as training targets and adds random-token copy
+   rows; 1,000 steps of it from run 6 took that loss to 1.65. See MODEL_CARD.md, "Copying".
 8. Output (``--out-dir``, default ``src/expresslane/assets/demo``): ``target/`` and ``draft/`` in
    Hugging Face format (config.json, generation_config.json, bf16 model.safetensors, tokenizer
    files) and ``training.json``.
@@ -1186,6 +1188,8 @@ def train_model(
             sys.exit(f"{args.init_from / name} does not fit the {name} shape: {loaded}")
         model.tie_weights()
         hp["warmup"] = FINETUNE_WARMUP
+    if args.copy_heads:
+        model.set_attn_implementation("eager")  # copy_heads supervises attention patterns
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     opts = make_optimizers(
@@ -1195,6 +1199,7 @@ def train_model(
     adaptive = fixed_plan is None
     plan = [list(x) for x in fixed_plan] if fixed_plan else []
     step, elapsed, losses, kls, anneal_from = 0, 0.0, [], [], None
+    copy_lm, copy_attn = [], []
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False, map_location=args.device)
         if not adaptive and state["plan"] != plan[: len(state["plan"])]:
@@ -1207,6 +1212,7 @@ def train_model(
             opt.load_state_dict(opt_state)
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
         kls = state.get("kls", [])
+        copy_lm, copy_attn = state.get("copy_lm", []), state.get("copy_attn", [])
         anneal_from = state.get("anneal_from")
         if adaptive:
             plan = state["plan"]
@@ -1225,6 +1231,8 @@ def train_model(
             elapsed=elapsed,
             losses=losses,
             kls=kls,
+            copy_lm=copy_lm,
+            copy_attn=copy_attn,
             plan=plan,
             anneal_from=anneal_from,
         )
@@ -1255,9 +1263,20 @@ def train_model(
         batch = batch.to(args.device)
         autocast = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=use_bf16)
         with autocast:
-            logits = model(input_ids=batch[:, :-1]).logits.float().reshape(-1, VOCAB_SIZE)
+            out = model(input_ids=batch[:, :-1], output_attentions=args.copy_heads)
+        logits = out.logits.float().reshape(-1, VOCAB_SIZE)
         loss = F.cross_entropy(logits, batch[:, 1:].reshape(-1))  # logged, as in earlier runs
         objective = loss
+        if args.copy_heads:
+            import copy_heads
+
+            rng = random.Random(f"{args.seed}-{name}-copy-{step}")
+            extra, lm, attn = copy_heads.copy_loss(
+                model, batch[:, :-1], out.attentions, rng, autocast
+            )
+            objective = objective + extra
+            copy_lm.append(round(lm.item(), 4))
+            copy_attn.append(round(attn.item(), 4))
         if teacher is not None:
             with torch.no_grad(), autocast:
                 target = teacher(input_ids=batch[:, :-1]).logits.float().reshape(-1, VOCAB_SIZE)
@@ -1299,6 +1318,9 @@ def train_model(
             tps = step * hp["batch"] * SEQ_LEN / max(elapsed, 1e-9)
             eta = (total - step) * elapsed / step if total else float("nan")
             kl = f"kl {sum(kls[-len(recent) :]) / len(recent):.3f} " if kls else ""
+            if copy_lm:
+                n = len(recent)
+                kl += f"copy {sum(copy_lm[-n:]) / n:.3f} heads {sum(copy_attn[-n:]) / n:.3f} "
             log(
                 f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} {kl}"
                 f"lr {lr:.2e} {tps:,.0f} tok/s elapsed {elapsed:.0f}s eta {eta:.0f}s"
@@ -1328,6 +1350,10 @@ def train_model(
         final_train_loss=round(sum(final) / len(final), 4) if final else None,
         distill_weight=DISTILL_WEIGHT if teacher is not None else None,
         final_kl_to_target=round(sum(kls[-20:]) / len(kls[-20:]), 4) if kls else None,
+        final_copy_row_loss=round(sum(copy_lm[-20:]) / len(copy_lm[-20:]), 4) if copy_lm else None,
+        final_copy_head_loss=(
+            round(sum(copy_attn[-20:]) / len(copy_attn[-20:]), 4) if copy_attn else None
+        ),
         budget_seconds=budget,
         shape=MODEL_SHAPES[name],
     )
@@ -1426,6 +1452,12 @@ def main(argv: list[str] | None = None) -> None:
         default="muon",
         help="muon: Muon for the hidden matrices, AdamW for embeddings and norms",
     )
+    ap.add_argument(
+        "--copy-heads",
+        action="store_true",
+        help="supervise a previous-token and an induction head and add random-token copy rows "
+        "(copy_heads.py): teaches the model to copy from its context",
+    )
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
@@ -1479,6 +1511,7 @@ def main(argv: list[str] | None = None) -> None:
         model = res.pop("model")
         save_model(model, work / "tokenizer", args.out_dir / name, data.tokenizer)
         if name == "target":
+            model.set_attn_implementation("sdpa")  # the teacher needs no attention maps
             teacher = model.eval()  # as shipped (bf16): the draft distills from it
         res["epochs_touched"] = [f"{s}_{e}" for s, e in sorted(data.epochs)]
         results[name] = res
@@ -1502,6 +1535,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f" --optimizer {args.optimizer}" if args.optimizer != "muon" else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
         + (f" --init-from {args.init_from}" if args.init_from else "")
+        + (" --copy-heads" if args.copy_heads else "")
         + (" --smoke" if args.smoke else ""),
         smoke=args.smoke,
         torch=torch.__version__,

@@ -117,3 +117,40 @@ def test_edit_examples_repeat_a_freshly_renamed_function():
         assert change["old"] in src and change["new"] in edited
         assert edited == train.rename(src, {change["old"]: change["new"]})
     assert kinds == {"function", "parameter"}
+
+
+copy_heads = load_script("copy_heads")
+
+
+def test_copy_head_targets_point_where_a_copying_circuit_looks():
+    #        0  1  2  3  4  5  6  7
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 8]])
+    (l0, h0, prev), (l1, h1, prev2), (l2, h2, induction) = copy_heads.head_targets(ids, 6, 2)
+    assert (l0, h0, l1, h1, l2, h2) == (0, 0, 0, 3, 1, 0)
+    assert prev[0, 4].nonzero().flatten().tolist() == [3]
+    assert prev2[0, 4].nonzero().flatten().tolist() == [2]
+    # at 5 (6 after 5) the earlier pair (5, 6) sits at 0..1: look at 2, the token that followed
+    assert induction[0, 5].nonzero().flatten().tolist() == [2]
+    assert induction[0, 6].nonzero().flatten().tolist() == [3]
+    assert not induction[0, :5].any()  # no earlier pair repeats before position 5
+
+
+def test_attention_loss_is_zero_only_on_the_allowed_keys():
+    allowed = torch.zeros(1, 4, 4, dtype=torch.bool)
+    allowed[0, 2, 1] = allowed[0, 3, 2] = True
+    exact = allowed.float()[:, None]  # [B, heads, T, T], all mass on the allowed key
+    spread = torch.full((1, 1, 4, 4), 0.25)
+    assert copy_heads.attention_loss([exact], [(0, 0, allowed)]).item() == 0.0
+    assert abs(copy_heads.attention_loss([spread], [(0, 0, allowed)]).item() - 1.3863) < 1e-3
+
+
+def test_copy_rows_score_only_the_predictable_repeat():
+    import random
+
+    ids, labels = copy_heads.copy_rows(random.Random(0), 4)
+    assert ids.shape == (4, copy_heads.COPY_ROW_LEN + 1)
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        scored = [i for i, v in enumerate(lab) if v != -100]
+        k = len(scored) + 1  # the repeat's first token is not predictable
+        assert row[:k] == row[-k:]
+        assert [lab[i] for i in scored] == row[-k + 1 :]

@@ -144,9 +144,11 @@ async def test_disconnects_free_kv_blocks(server, model_name):
         assert finished >= 18
         completed = finished - aborted
         assert completed <= 2
-        # the aborted were stopped, not run to their 400 tokens (they count no tokens here)
+        # the aborted were stopped, not run to their 400 tokens. A client leaves at its first
+        # text delta, which may come dozens of tokens in (a reply that opens with a tool call
+        # streams no text until the call is parsed), so allow a quarter of 400 on average.
         generated = metric(text, "expresslane:generation_tokens_total") - tokens_before
-        assert generated - 400 * completed < 400
+        assert generated - 400 * completed < 100 * aborted
 
 
 async def test_graceful_shutdown_finishes_in_flight(engine, model_name):
