@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 
 COPY_ROWS = 8  # random-token copy rows per step
 COPY_ROW_LEN = 128  # tokens per copy row (+1 for the shifted labels)
@@ -79,8 +80,6 @@ def copy_loss(model, ids: torch.Tensor, attentions, rng: random.Random, autocast
     """(loss to add, copy-row LM loss, attention loss) for a step whose data batch (input ids
     `ids`) ran with `output_attentions`: the attention losses on that batch and on fresh copy
     rows, plus the copy rows' language-model loss."""
-    import torch.nn.functional as F
-
     cfg = model.config
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
     rows, labels = copy_rows(rng)

@@ -1,9 +1,11 @@
 """Pieces of the demo model's training recipe (scripts/): the Muon optimizer's orthogonalized
-update against an SVD reference, and the chat template's compact tool list."""
+update against an SVD reference, the chat template's compact tool list, the edit examples and
+the copy heads' attention targets."""
 
 from __future__ import annotations
 
 import importlib.util
+import random
 import sys
 from pathlib import Path
 
@@ -145,8 +147,6 @@ def test_attention_loss_is_zero_only_on_the_allowed_keys():
 
 
 def test_copy_rows_score_only_the_predictable_repeat():
-    import random
-
     ids, labels = copy_heads.copy_rows(random.Random(0), 4)
     assert ids.shape == (4, copy_heads.COPY_ROW_LEN + 1)
     for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
