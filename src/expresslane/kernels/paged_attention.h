@@ -72,44 +72,82 @@ struct PagedKV {
   }
 };
 
+// q . k for every key row in `keys` (n of them), times `scale`, into s[0..n). Each score is
+// bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across the
+// keys (D = 32 / 64: the demo pair's head sizes, and common ones), which halves the loads.
+template <int D>
+inline void score_rows(const float* q, const float* const* keys, int64_t n, float scale, float* s) {
+  __m256 qv[D / 8];
+  for (int i = 0; i < D / 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* k = keys[p];
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int i = 0; i + 16 <= D; i += 16) {  // ops::dot's two chains, in its order
+      s0 = _mm256_fmadd_ps(qv[i / 8], _mm256_loadu_ps(k + i), s0);
+      s1 = _mm256_fmadd_ps(qv[i / 8 + 1], _mm256_loadu_ps(k + i + 8), s1);
+    }
+    s[p] = hsum(_mm256_add_ps(s0, s1)) * scale;
+  }
+}
+
+// out[0..D) = sum over p < n of w[p] * values[p], accumulated in p order (bit-identical to
+// repeated ops::axpy), the accumulator in registers.
+template <int D>
+inline void weigh_rows(const float* w, const float* const* values, int64_t n, float* out) {
+  __m256 acc[D / 8];
+  for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < n; ++p) {
+    const __m256 wv = _mm256_set1_ps(w[p]);
+    for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(values[p] + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+inline void score_rows_any(const float* q, const float* const* keys, int64_t n, int64_t D, float scale, float* s) {
+  if (D == 64) return score_rows<64>(q, keys, n, scale, s);
+  if (D == 32) return score_rows<32>(q, keys, n, scale, s);
+  for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
+}
+
+inline void weigh_rows_any(const float* w, const float* const* values, int64_t n, int64_t D, float* out) {
+  if (D == 64) return weigh_rows<64>(w, values, n, out);
+  if (D == 32) return weigh_rows<32>(w, values, n, out);
+  std::fill(out, out + D, 0.0f);
+  for (int64_t p = 0; p < n; ++p) ops::axpy(w[p], values[p], out, D);
+}
+
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
 // floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
 // 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
-// Each (sequence, kv head) pair's G * Q query rows are scored against each key row once,
-// then softmax, then one pass over the value rows.
+// Each (sequence, kv head) pair's G * Q query rows are the inner work: each row is scored
+// against the key rows it sees with the query in registers, then softmax, then one pass over
+// the value rows with the output in registers. Compressed caches are expanded once per pair.
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
                      int64_t L, const int64_t* slots, const int64_t* starts) {
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t work = std::max<int64_t>(1, L * rows * D);
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(rows * L), acc(rows * D), buf(D);
+    std::vector<float> scores(L), expanded(c.kind == 0 ? 0 : 2 * L * D);
+    std::vector<const float*> keys(L), values(L);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv;
       const int64_t* seq = slots + b * L;
       const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
       for (int64_t pos = 0; pos < seen; ++pos) {
-        const float* k = c.row(0, h, seq[pos], buf.data());
-        for (int64_t j = 0; j < Q; ++j)
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
-            scores[(j * G + g) * L + pos] = ops::dot(qr, k, D) * scale;
-          }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * L;
-        const int64_t n = std::min(seen, starts[b] + r / G + 1);
-        ops::softmax(s, n);
-        std::fill(s + n, s + seen, 0.0f);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = 0; pos < seen; ++pos) {
-        const float* v = c.row(1, h, seq[pos], buf.data());
-        for (int64_t r = 0; r < rows; ++r) ops::axpy(scores[r * L + pos], v, acc.data() + r * D, D);
+        float* kbuf = c.kind == 0 ? nullptr : expanded.data() + pos * D;
+        float* vbuf = c.kind == 0 ? nullptr : expanded.data() + (L + pos) * D;
+        keys[pos] = c.row(0, h, seq[pos], kbuf);
+        values[pos] = c.row(1, h, seq[pos], vbuf);
       }
       for (int64_t j = 0; j < Q; ++j)
-        for (int64_t g = 0; g < G; ++g)
-          std::memcpy(out + (b * Q + j) * H * D + (h * G + g) * D, acc.data() + (j * G + g) * D, D * sizeof(float));
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
+          const int64_t n = std::min(seen, starts[b] + j + 1);
+          score_rows_any(qr, keys.data(), n, D, scale, scores.data());
+          ops::softmax(scores.data(), n);
+          weigh_rows_any(scores.data(), values.data(), n, D, out + (b * Q + j) * H * D + (h * G + g) * D);
+        }
     }
   });
 }
