@@ -1286,7 +1286,7 @@ def train_model(
                 log_target=True,
                 reduction="batchmean",
             )
-            objective = loss + DISTILL_WEIGHT * kl
+            objective = objective + DISTILL_WEIGHT * kl
             kls.append(round(kl.item(), 4))
         model.zero_grad(set_to_none=True)
         objective.backward()
