@@ -1065,6 +1065,12 @@ class Data:
 # Training
 
 
+def tail_mean(values: list[float], n: int, digits: int = 4) -> float | None:
+    """Mean of the last n values (rounded), None when there are none."""
+    tail = values[-n:]
+    return round(sum(tail) / len(tail), digits) if tail else None
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -1189,6 +1195,8 @@ def train_model(
         model.tie_weights()
         hp["warmup"] = FINETUNE_WARMUP
     if args.copy_heads:
+        import copy_heads
+
         model.set_attn_implementation("eager")  # copy_heads supervises attention patterns
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -1268,8 +1276,6 @@ def train_model(
         loss = F.cross_entropy(logits, batch[:, 1:].reshape(-1))  # logged, as in earlier runs
         objective = loss
         if args.copy_heads:
-            import copy_heads
-
             rng = random.Random(f"{args.seed}-{name}-copy-{step}")
             extra, lm, attn = copy_heads.copy_loss(
                 model, batch[:, :-1], out.attentions, rng, autocast
@@ -1317,19 +1323,18 @@ def train_model(
             recent = losses[-args.log_every :]
             tps = step * hp["batch"] * SEQ_LEN / max(elapsed, 1e-9)
             eta = (total - step) * elapsed / step if total else float("nan")
-            kl = f"kl {sum(kls[-len(recent) :]) / len(recent):.3f} " if kls else ""
+            n = len(recent)
+            extra = f"kl {tail_mean(kls, n):.3f} " if kls else ""
             if copy_lm:
-                n = len(recent)
-                kl += f"copy {sum(copy_lm[-n:]) / n:.3f} heads {sum(copy_attn[-n:]) / n:.3f} "
+                extra += f"copy {tail_mean(copy_lm, n):.3f} heads {tail_mean(copy_attn, n):.3f} "
             log(
-                f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} {kl}"
+                f"{name} step {step}/{total or '?'} loss {sum(recent) / len(recent):.3f} {extra}"
                 f"lr {lr:.2e} {tps:,.0f} tok/s elapsed {elapsed:.0f}s eta {eta:.0f}s"
             )
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             checkpoint()
             last_ckpt = time.time()
     checkpoint()
-    final = losses[-20:]
     return dict(
         model=model,
         params=n_params,
@@ -1347,13 +1352,11 @@ def train_model(
         precision="bf16 autocast" if use_bf16 else "fp32",
         device=args.device,
         train_seconds=round(elapsed, 1),
-        final_train_loss=round(sum(final) / len(final), 4) if final else None,
+        final_train_loss=tail_mean(losses, 20),
         distill_weight=DISTILL_WEIGHT if teacher is not None else None,
-        final_kl_to_target=round(sum(kls[-20:]) / len(kls[-20:]), 4) if kls else None,
-        final_copy_row_loss=round(sum(copy_lm[-20:]) / len(copy_lm[-20:]), 4) if copy_lm else None,
-        final_copy_head_loss=(
-            round(sum(copy_attn[-20:]) / len(copy_attn[-20:]), 4) if copy_attn else None
-        ),
+        final_kl_to_target=tail_mean(kls, 20),
+        final_copy_row_loss=tail_mean(copy_lm, 20),
+        final_copy_head_loss=tail_mean(copy_attn, 20),
         budget_seconds=budget,
         shape=MODEL_SHAPES[name],
     )
