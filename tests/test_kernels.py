@@ -45,6 +45,56 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(kernels.bf16_linear(x[:m], w, b), alone[:m])
 
 
+needs_dot = pytest.mark.skipif(
+    kernels is None or not kernels.bf16_dot_available(), reason="no AVX-512 BF16 here"
+)
+
+
+def _bf16_dot_reference(x, w, b=None):
+    """What the dot-product kernel computes: x rounded to bf16, exact products, float64 sums
+    (the kernel sums in float32, hence the tolerance)."""
+    y = x.bfloat16().double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+@needs_dot
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17])
+@pytest.mark.parametrize("n, k", [(16, 2), (64, 64), (144, 96), (432, 202)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_dot_linear_matches_reference(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    y = kernels.bf16_dot_linear(x, kernels.pack_bf16_dot(w), b)
+    torch.testing.assert_close(y, _bf16_dot_reference(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@needs_dot
+def test_bf16_dot_linear_rows_do_not_depend_on_the_batch():
+    """Every output is one chain of dot products over k in order, in whichever tile and row
+    pass it falls: bit-identical alone and batched (speculative verification rows)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(19, 202, generator=g)  # 202: a tail of 10 values after 6 * 32
+    w = torch.randn(432, 202, generator=g).bfloat16()  # 27 blocks: partial tiles at every M
+    packed = kernels.pack_bf16_dot(w)
+    alone = torch.cat([kernels.bf16_dot_linear(x[i : i + 1], packed, None) for i in range(19)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 16, 19):
+        assert torch.equal(kernels.bf16_dot_linear(x[:m], packed, None), alone[:m])
+
+
+@needs_dot
+def test_bf16_dot_linear_rejects_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.pack_bf16_dot(torch.zeros(24, 8, dtype=torch.bfloat16))
+    packed = kernels.pack_bf16_dot(torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="against W"):
+        kernels.bf16_dot_linear(torch.zeros(1, 6), packed, None)
+    with pytest.raises(RuntimeError, match="aligned"):
+        unaligned = torch.zeros(16 * 8 + 1, dtype=torch.bfloat16)[1:].view(1, 4, 32)
+        kernels.bf16_dot_linear(torch.zeros(1, 8), unaligned, None)
+
+
 @needs_kernels
 def test_linear_uses_the_kernel_for_small_batches_only():
     w = torch.randn(96, 64).bfloat16()
@@ -52,9 +102,12 @@ def test_linear_uses_the_kernel_for_small_batches_only():
     bias = lin.bias.data.clone()
     lin.prepare_cpu(torch.float32)
     assert lin._bf16_kernel is not None
+    dot = kernels.bf16_dot_available()  # then x is rounded to bf16
+    assert lin.kernel_weights()[0].dim() == (3 if dot else 2)
     for m in (1, Linear.SMALL_BATCH):
         x = torch.randn(m, 64)
-        torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
+        ref = _bf16_dot_reference(x, w, bias) if dot else F.linear(x, w.float(), bias)
+        torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
     x = torch.randn(Linear.SMALL_BATCH + 5, 64)
     if lin._packed_bf16:  # oneDNN's bf16 matmul: x rounded to bf16, float32 sums, bf16 out
         ref = F.linear(x.bfloat16().float(), w.float()).bfloat16().float() + bias

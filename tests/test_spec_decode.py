@@ -178,7 +178,7 @@ def test_speculation_stops_past_the_batch_limit_except_for_ultrafast(llama_dir):
 def test_speculation_payoff_is_measured_per_batch_size():
     from expresslane.spec.payoff import SpecPayoff
 
-    payoff = SpecPayoff(explore_every=4, settled_explore_every=16, min_samples=2)
+    payoff = SpecPayoff(explore_every=4, settled_explore_every=16, recheck_every=8, min_samples=2)
     # untimed: guess, but every 4th step runs plain to time it
     assert [payoff.speculate(1) for _ in range(8)] == [True, True, True, False] * 2
     assert payoff.pays(1) is None
@@ -187,7 +187,7 @@ def test_speculation_payoff_is_measured_per_batch_size():
         payoff.record(1, False, 0.001, 1)  # 1 ms without
     assert payoff.pays(1) is False
     decisions = [payoff.speculate(1) for _ in range(32)]
-    assert decisions.count(True) == 2  # only the exploring steps guess
+    assert decisions.count(True) == 4  # only the rechecking steps guess, every 8th
     assert payoff.pays(2) is None  # another batch size, timed on its own
     for _ in range(2):
         payoff.record(4, True, 0.003, 6)
@@ -205,11 +205,13 @@ def test_lanes_stop_guessing_where_it_does_not_pay_except_ultrafast(llama_dir):
     scripted = _Scripted(prompt + plain, right=True)
     for spec in engine.proposers.values():  # every lane's
         spec.proposer = scripted
-    for _ in range(4):  # timed: guessing costs ten times what it yields, at batch 1
-        engine.spec_payoff.record(1, True, 1.0, 1)
-        engine.spec_payoff.record(1, False, 0.1, 1)
+    payoff = engine.spec_payoff
+    for _ in range(payoff.min_samples):  # timed: guessing costs ten times what it yields
+        payoff.record(1, True, 1.0, 1)
+        payoff.record(1, False, 0.1, 1)
     assert llm.generate(prompt, params)[0].token_ids == plain
-    assert scripted.asked == []  # 31 steps, none of them a 64th exploring one
+    # 31 steps: only the rechecking ones guess (the 16th)
+    assert len(scripted.asked) == 31 // payoff.recheck_every
     req = engine.add_request(prompt, params, lane="ultrafast")
     while engine.has_unfinished():
         engine.step()

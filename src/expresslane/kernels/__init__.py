@@ -17,8 +17,10 @@ log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
 
 
-# torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef)
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+# torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef);
+# AVX512_BF16 adds the bf16 dot product (bf16dot_cpu.cpp), which torch does not report
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+ISA_FLAGS = {"AVX512": _AVX512, "AVX512_BF16": [*_AVX512, "-mavx512bf16"]}
 
 STALE_LOCK_SECONDS = 600  # a build takes 1-2 minutes here
 
@@ -36,11 +38,30 @@ def clear_stale_build_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_isa() -> str:
+    """The instruction set the kernels are built for: torch's capability, refined."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa == "AVX512" and "avx512_bf16" in cpu_flags():
+        return "AVX512_BF16"
+    return isa
+
+
 @functools.cache
 def cpu_kernels():
-    """The compiled module (AVX2, plus AVX-512 paths where torch reports AVX512), or None."""
-    isa = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
-    if isa not in ("AVX2", "AVX512"):
+    """The compiled module (AVX2, plus AVX-512 and AVX-512 BF16 paths where the CPU has
+    them), or None."""
+    isa = cpu_isa()  # one build per instruction set
+    if isa not in ISA_FLAGS and isa != "AVX2":
         return None
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
@@ -55,7 +76,10 @@ def cpu_kernels():
             log.info("compiling the %s CPU kernels (once, about a minute) in %s", isa, build_dir)
         return load(
             name=name,
-            sources=[str(_SRC / n) for n in ("gemv_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")],
+            sources=[
+                str(_SRC / n)
+                for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
+            ],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *ISA_FLAGS.get(isa, [])],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

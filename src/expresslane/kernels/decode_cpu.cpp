@@ -25,18 +25,20 @@
 #include "paged_attention.h"
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
 
 namespace {
 
-// A bf16 weight [N, K], or FP4 codes + block scales + row scales (see fp4_cpu.cpp).
+// A bf16 weight: [N, K] (gemv_cpu.cpp) or packed for bf16 dot products, [N/16, K/2, 32]
+// (bf16dot_cpu.cpp); or FP4 codes + block scales + row scales (see fp4_cpu.cpp).
 struct Linear {
   std::vector<torch::Tensor> w;
   c10::optional<torch::Tensor> bias;
   int64_t block = 0, scale_kind = 0;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (w.size() == 1) return bf16_linear(x, w[0], bias);
+    if (w.size() == 1) return w[0].dim() == 3 ? bf16_dot_linear(x, w[0], bias) : bf16_linear(x, w[0], bias);
     return fp4_linear(x, w[0], w[1], w[2], bias, block, scale_kind);
   }
 };

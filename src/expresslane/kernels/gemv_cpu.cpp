@@ -156,6 +156,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 }
 
 void register_decode_stack(pybind11::module& m);
+torch::Tensor pack_bf16_dot(torch::Tensor w);
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+bool bf16_dot_available();
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
 torch::Tensor fp4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales, int64_t block,
@@ -166,4 +169,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
   m.def("fp4_dequantize", &fp4_dequantize, "MXFP4/NVFP4 codes + block scales -> float32 weight (AVX2)");
   m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
+  m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
+  m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]");
+  m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)");
 }

@@ -56,7 +56,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
         if w.dtype == torch.bfloat16 and compute_dtype == torch.float32:
             kernels = cpu_kernels()
-            if kernels is not None:
+            if kernels is not None and kernels.bf16_dot_available() and _dot_packable(w):
+                self._bf16, self._bf16_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
+            elif kernels is not None:
                 self._bf16, self._bf16_kernel = w, kernels.bf16_linear
             if onednn_prepack_supported(torch.bfloat16):  # AVX-512 BF16 / AMX
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
@@ -87,6 +89,11 @@ class Linear(nn.Module):
                 x, self._packed, self.bias, "none", [None], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+
+def _dot_packable(w: torch.Tensor) -> bool:
+    """Whether the bf16 dot-product kernel takes this weight: 16-column blocks, k pairs."""
+    return w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
 
 
 def make_linear(weight, bias: torch.Tensor | None = None) -> nn.Module:

@@ -5,8 +5,11 @@ model's proposals take time, and next to a cheap target the extra verification r
 as much as the tokens they save. Where steps with guesses are slower per token, speculation
 turns off. Some steps still run the other way, so that a change (a warmer machine, a request
 that starts copying its prompt) is noticed: every `explore_every`-th while a bucket is untimed,
-every `settled_explore_every`-th after (rarely, since an exploring draft model first catches
-up on the tokens it skipped)."""
+then every `settled_explore_every`-th while guessing pays and every `recheck_every`-th while it
+does not. Rechecks are the more frequent, since a verdict against guessing can rest on a few
+cold steps at a request's start (its acceptance rate still unknown, its guesses short) and
+wrongly stop it for a long while; they cost little, since the timed plain steps are cheap to
+leave and an exploring draft model only catches up on the tokens it skipped."""
 
 from __future__ import annotations
 
@@ -35,11 +38,13 @@ class SpecPayoff:
         self,
         explore_every: int = 8,
         settled_explore_every: int = 64,
-        min_samples: int = 4,
+        recheck_every: int = 16,
+        min_samples: int = 12,
         weight: float = 0.1,
     ):
         self.explore_every = explore_every
         self.settled_explore_every = settled_explore_every
+        self.recheck_every = recheck_every
         self.min_samples = min_samples
         self.weight = weight
         self.buckets: dict[int, _Bucket] = {}
@@ -60,7 +65,10 @@ class SpecPayoff:
         bucket = self._bucket(batch)
         bucket.decisions += 1
         better = self.pays(batch)
-        every = self.explore_every if better is None else self.settled_explore_every
+        if better is None:
+            every = self.explore_every
+        else:
+            every = self.settled_explore_every if better else self.recheck_every
         explore = bucket.decisions % every == 0
         if better is None:  # guess, and time a plain step now and then to compare
             return not explore

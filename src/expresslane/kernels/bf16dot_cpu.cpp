@@ -1,0 +1,139 @@
+// Small-batch linear layers with AVX-512 BF16 dot products: y = x W^T (+ b), x float32
+// [M, K] rounded to bf16, W bf16 packed by pack_bf16_dot, y float32 [M, N].
+//
+// The demo-sized models this serves sit in cache, so a decode step is bound by arithmetic,
+// not by the bytes of W. `vdpbf16ps` does 32 bf16 multiply-adds per instruction (float32
+// accumulation), twice the float32 FMA's 16, and needs no widening of W. The weight is
+// packed so that one 64-byte line holds 16 output columns x 2 consecutive k: each
+// instruction takes a broadcast pair of x and produces 16 outputs' partial sums, with no
+// horizontal reduction. Every output (row m, column n) is one accumulation chain over k in
+// order, whatever M and whatever tile it falls in: a row is bit-identical computed alone or
+// in a batch (a speculative verification's rows match plain decoding exactly).
+//
+// x is rounded to bf16 (round to nearest even), as oneDNN's bf16 matmul does for the larger
+// batches; products are exact in float32 and summed in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+#ifdef __AVX512BF16__
+namespace {
+
+// Accumulators per tile: NB blocks of 16 columns for each of MB rows, within 32 zmm registers.
+template <int MB>
+constexpr int blocks_per_tile() {
+  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : 3;
+}
+
+// Rows m0..m0+MB of x (bf16 pairs as uint32, [M, K2]) against column blocks b0..b0+NB.
+template <int MB, int NB>
+inline void tile(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64_t N, int64_t b0,
+                 const float* bias) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const __m512i* wb = w + b0 * K2;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(wb + j * K2 + kp);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * K2 + kp]));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = (b0 + j) * 16;
+      __m512 v = acc[m][j];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      _mm512_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// Column blocks [c0, c1) for MB rows: whole tiles, then single blocks.
+template <int MB>
+void row_block(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64_t N, int64_t c0, int64_t c1,
+               const float* bias) {
+  constexpr int NB = blocks_per_tile<MB>();
+  int64_t b = c0;
+  for (; b + NB <= c1; b += NB) tile<MB, NB>(xp, w, K2, y, N, b, bias);
+  for (; b < c1; ++b) tile<MB, 1>(xp, w, K2, y, N, b, bias);
+}
+
+}  // namespace
+
+// W [N, K] bf16 -> [N/16, K/2, 32]: block b, pair p holds W[16b + i, 2p + t] at 2i + t.
+torch::Tensor pack_bf16_dot(torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2, "w: bf16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "N a multiple of 16, K even");
+  // 64-byte aligned (aligned loads); torch's CPU allocator aligns to 64 bytes
+  return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 16, K / 2, 32});
+}
+
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: float32 [M, K]");
+  TORCH_CHECK(packed.dtype() == torch::kBFloat16 && packed.dim() == 3 && packed.size(2) == 32,
+              "packed: pack_bf16_dot's [N/16, K/2, 32]");
+  const int64_t M = x.size(0), K2 = packed.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(x.size(1) == 2 * K2, "x [M, K] against W [N, K]");
+  TORCH_CHECK(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed: contiguous and 64-byte aligned");
+  x = x.contiguous();
+  torch::Tensor bias_f;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  // x to bf16 pairs (round to nearest even), [M, K/2] as uint32
+  std::vector<uint32_t> xb(M * K2);
+  const float* xf = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t k = 0;
+    for (; k + 32 <= 2 * K2; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + m * 2 * K2 + k + 16),
+                                             _mm512_loadu_ps(xf + m * 2 * K2 + k));
+      _mm512_storeu_si512(xb.data() + m * K2 + k / 2, (__m512i)v);
+    }
+    auto* dst = reinterpret_cast<at::BFloat16*>(xb.data() + m * K2);
+    for (; k < 2 * K2; ++k) dst[k] = at::BFloat16(xf[m * 2 * K2 + k]);  // rounds to nearest even
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const auto* w = reinterpret_cast<const __m512i*>(packed.data_ptr());
+  float* yp = y.data_ptr<float>();
+  // columns split across threads; each runs every row pass over a chunk of columns while
+  // that chunk of W (kChunk * K * 32 bytes) is in L2, then moves on
+  constexpr int64_t kChunk = 12;  // a multiple of every blocks_per_tile
+  at::parallel_for(0, N / 16, kChunk, [&](int64_t c0, int64_t c1) {
+    for (int64_t cc = c0; cc < c1; cc += kChunk) {
+      const int64_t ce = std::min(cc + kChunk, c1);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const uint32_t* xp = xb.data() + m0 * K2;
+        float* ym = yp + m0 * N;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: row_block<1>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 2: row_block<2>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 3: row_block<3>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 4: row_block<4>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 5: row_block<5>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 6: row_block<6>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 7: row_block<7>(xp, w, K2, ym, N, cc, ce, b); break;
+          default: row_block<8>(xp, w, K2, ym, N, cc, ce, b); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+bool bf16_dot_available() { return true; }
+#else
+torch::Tensor pack_bf16_dot(torch::Tensor) { TORCH_CHECK(false, "built without AVX-512 BF16"); }
+torch::Tensor bf16_dot_linear(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX-512 BF16");
+}
+bool bf16_dot_available() { return false; }
+#endif
