@@ -229,6 +229,9 @@ class LLMEngine:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
         guesses = sum(len(req.draft_ids) for req, _ in batch.items)
+        # a request's first guesses include a draft model's prefill of its prompt: a one-time
+        # cost (like the target's prefill), not what a step with guesses costs
+        first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
         samples, result = self.runner.step(batch.items)
         for req, n in batch.items:
             req.num_computed_tokens += n - len(req.draft_ids)
@@ -246,7 +249,8 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         seconds = time.perf_counter() - start
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
-        if self.proposers and batch.num_tokens == len(batch.items) + guesses:  # decodes only
+        decodes_only = batch.num_tokens == len(batch.items) + guesses
+        if self.proposers and decodes_only and not first_guesses:
             self.spec_payoff.record(len(batch.items), guesses > 0, seconds, emitted)
         return outputs
 
@@ -272,6 +276,7 @@ class LLMEngine:
             # KV is valid up to the last accepted guess; roll back the rest.
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
+            req.spec_verifications += 1
             self.spec_stats.record(len(drafts), appended - 1)
             self.lane_spec_stats[req.lane].record(len(drafts), appended - 1)
             rate = (appended - 1) / len(drafts)

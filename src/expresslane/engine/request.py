@@ -78,6 +78,7 @@ class Request:
         self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
         self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
         self.spec_acceptance = 0.75  # running acceptance rate of its guesses
+        self.spec_verifications = 0  # steps that verified its guesses
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []

@@ -72,9 +72,9 @@ struct PagedKV {
   }
 };
 
-// q . k for every key row in `keys` (n of them), times `scale`, into s[0..n). Each score is
-// bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across the
-// keys (D = 32 / 64: the demo pair's head sizes, and common ones), which halves the loads.
+// q . k for every key row in `keys` (n of them), times `scale`, into s[0..n) (AVX2). Each
+// score is bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across
+// the keys (D = 32 / 64: the demo pair's head sizes, and common ones), which halves the loads.
 template <int D>
 inline void score_rows(const float* q, const float* const* keys, int64_t n, float scale, float* s) {
   __m256 qv[D / 8];
@@ -103,33 +103,118 @@ inline void weigh_rows(const float* w, const float* const* values, int64_t n, fl
   for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
+#ifdef __AVX512F__
+// AVX-512 (D a multiple of 16, at most 128). Scores 16 keys at a time: each key's D/16
+// products are summed in one chain, then the 16 partial vectors are reduced together by a
+// tree of lane shuffles (15 adds of pairs, not 16 horizontal sums). Every score goes through
+// the same chain and the same tree, wherever its key falls (a short last group is padded
+// with zeros), so a score does not depend on n or on which keys share its group.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: t[i] = (v[i] | v[i+8]) with 8 lanes each
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: u[i] = (v[i] | v[i+8] | v[i+4] | v[i+12])
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[i], t[i + 4], 0x88), _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes within each chunk
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  // lane 4c + l now holds the sum of v[{0, 2, 1, 3}[l] + {0, 8, 4, 12}[c]]
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, x);
+}
+
+template <int D>
+inline void score_rows512(const float* q, const float* const* keys, int64_t n, float scale, float* s) {
+  __m512 qv[D / 16];
+  for (int i = 0; i < D / 16; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - p0));
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= m) continue;
+      const float* k = keys[p0 + j];
+      for (int i = 0; i < D / 16; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc[j]);
+    }
+    _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
+  }
+}
+
+// out[r][0..D) = sum over p < n of w[r][p] * values[p] for R rows at once (one load of each
+// value row), accumulated in p order: each output as if computed alone.
+template <int D, int R>
+inline void weigh_rows512(const float* const* w, const float* const* values, int64_t n, float* const* out) {
+  __m512 acc[R][D / 16];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D / 16; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; ++p) {
+    __m512 v[D / 16];
+    for (int i = 0; i < D / 16; ++i) v[i] = _mm512_loadu_ps(values[p] + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r][p]);
+      for (int i = 0; i < D / 16; ++i) acc[r][i] = _mm512_fmadd_ps(wv, v[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out[r] + 16 * i, acc[r][i]);
+}
+
+template <int D>
+inline void weigh_group512(const float* const* w, const float* const* values, int64_t n, float* const* out, int rows) {
+  constexpr int R = D <= 64 ? 4 : 2;  // R * D / 16 accumulators within the 32 registers
+  for (; rows >= R; rows -= R, w += R, out += R) weigh_rows512<D, R>(w, values, n, out);
+  for (; rows > 0; --rows, ++w, ++out) weigh_rows512<D, 1>(w, values, n, out);
+}
+#endif
+
 inline void score_rows_any(const float* q, const float* const* keys, int64_t n, int64_t D, float scale, float* s) {
+#ifdef __AVX512F__
+  if (D == 64) return score_rows512<64>(q, keys, n, scale, s);
+  if (D == 128) return score_rows512<128>(q, keys, n, scale, s);
+  if (D == 32) return score_rows512<32>(q, keys, n, scale, s);
+#endif
   if (D == 64) return score_rows<64>(q, keys, n, scale, s);
   if (D == 32) return score_rows<32>(q, keys, n, scale, s);
   for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
 }
 
-inline void weigh_rows_any(const float* w, const float* const* values, int64_t n, int64_t D, float* out) {
-  if (D == 64) return weigh_rows<64>(w, values, n, out);
-  if (D == 32) return weigh_rows<32>(w, values, n, out);
-  std::fill(out, out + D, 0.0f);
-  for (int64_t p = 0; p < n; ++p) ops::axpy(w[p], values[p], out, D);
+// weigh_rows for `rows` outputs that share their keys (a GQA group's heads at one position).
+inline void weigh_group_any(const float* const* w, const float* const* values, int64_t n, int64_t D, float* const* out,
+                            int rows) {
+#ifdef __AVX512F__
+  if (D == 64) return weigh_group512<64>(w, values, n, out, rows);
+  if (D == 128) return weigh_group512<128>(w, values, n, out, rows);
+  if (D == 32) return weigh_group512<32>(w, values, n, out, rows);
+#endif
+  for (int r = 0; r < rows; ++r) {
+    if (D == 64) {
+      weigh_rows<64>(w[r], values, n, out[r]);
+    } else if (D == 32) {
+      weigh_rows<32>(w[r], values, n, out[r]);
+    } else {
+      std::fill(out[r], out[r] + D, 0.0f);
+      for (int64_t p = 0; p < n; ++p) ops::axpy(w[r][p], values[p], out[r], D);
+    }
+  }
 }
 
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
 // floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
 // 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
 // Each (sequence, kv head) pair's G * Q query rows are the inner work: each row is scored
-// against the key rows it sees with the query in registers, then softmax, then one pass over
-// the value rows with the output in registers. Compressed caches are expanded once per pair.
+// against the key rows it sees with the query in registers, then softmax, then the G rows of
+// one position weigh the value rows together with their outputs in registers. Compressed
+// caches are expanded once per pair.
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
                      int64_t L, const int64_t* slots, const int64_t* starts) {
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t work = std::max<int64_t>(1, L * rows * D);
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(L), expanded(c.kind == 0 ? 0 : 2 * L * D);
-    std::vector<const float*> keys(L), values(L);
+    std::vector<float> scores(G * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
+    std::vector<const float*> keys(L), values(L), weights(G);
+    std::vector<float*> outs(G);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv;
       const int64_t* seq = slots + b * L;
@@ -140,14 +225,18 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
         keys[pos] = c.row(0, h, seq[pos], kbuf);
         values[pos] = c.row(1, h, seq[pos], vbuf);
       }
-      for (int64_t j = 0; j < Q; ++j)
+      for (int64_t j = 0; j < Q; ++j) {
+        const int64_t n = std::min(seen, starts[b] + j + 1);
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
-          const int64_t n = std::min(seen, starts[b] + j + 1);
-          score_rows_any(qr, keys.data(), n, D, scale, scores.data());
-          ops::softmax(scores.data(), n);
-          weigh_rows_any(scores.data(), values.data(), n, D, out + (b * Q + j) * H * D + (h * G + g) * D);
+          float* sg = scores.data() + g * L;
+          score_rows_any(qr, keys.data(), n, D, scale, sg);
+          ops::softmax(sg, n);
+          weights[g] = sg;
+          outs[g] = out + (b * Q + j) * H * D + (h * G + g) * D;
         }
+        weigh_group_any(weights.data(), values.data(), n, D, outs.data(), static_cast<int>(G));
+      }
     }
   });
 }

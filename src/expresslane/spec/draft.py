@@ -27,7 +27,7 @@ from expresslane.spec.proposal import Proposal
 log = logging.getLogger("expresslane.spec")
 
 _SEED_SALT = 0x5BD1E995  # the draft's draws must not repeat the target's verification draws
-NATIVE_CATCH_UP = 8  # unseen tokens the native loop takes; more go through a prompt chunk
+NATIVE_CATCH_UP = 64  # unseen tokens the native loop takes; more go through a prompt chunk
 
 
 class Shadow(Request):

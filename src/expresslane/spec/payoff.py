@@ -40,7 +40,7 @@ class SpecPayoff:
         settled_explore_every: int = 64,
         recheck_every: int = 16,
         min_samples: int = 12,
-        weight: float = 0.1,
+        weight: float = 0.03,
     ):
         self.explore_every = explore_every
         self.settled_explore_every = settled_explore_every
