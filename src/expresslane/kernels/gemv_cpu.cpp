@@ -4,8 +4,8 @@
 //
 // At decode batch sizes a linear layer is a matrix-vector product bound by the bytes of W
 // it reads. Keeping W in bf16 halves those bytes against float32. Each chunk of W is widened
-// to float32 in registers (a 16-bit shift) and fed to float32 FMAs, also where AVX-512 BF16
-// has a bf16 dot product: that would round x to bf16 too.
+// to float32 in registers (a 16-bit shift) and fed to float32 FMAs. CPUs with AVX-512 BF16
+// run bf16dot_cpu.cpp instead, whose dot product rounds x to bf16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

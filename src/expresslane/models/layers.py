@@ -27,7 +27,9 @@ class Linear(nn.Module):
     `prepare_cpu` picks the CPU layout once at load time: weights prepacked into oneDNN's
     blocked layout (about 1.3-1.5x faster per matmul at small batch than `F.linear`), and,
     for a bf16 checkpoint computed in float32, the bf16 copy is kept too and read by the
-    native kernel at decode batch sizes, which moves half the bytes of a float32 matmul.
+    native kernel at decode batch sizes, which moves half the bytes of a float32 matmul (on
+    CPUs with AVX-512 BF16 it is packed for the dot-product kernel, which rounds the
+    activations to bf16).
     Where oneDNN has fast bf16 matmuls (AVX-512 BF16, AMX) the prepacked copy stays bf16 and
     larger batches cast their float32 activations to it.
     """
