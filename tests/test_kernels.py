@@ -16,15 +16,20 @@ kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels here")
 
 
+def _random_linear(m: int, n: int, k: int, bias: bool):
+    """x [m, k] float32, w [n, k] bf16 and an optional bias, seeded by the shape."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    return x, w, torch.randn(n, generator=g) if bias else None
+
+
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13])
 @pytest.mark.parametrize("n, k", [(64, 64), (131, 96), (37, 203)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_float32_reference(m, n, k, bias):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g) if bias else None
+    x, w, b = _random_linear(m, n, k, bias)
     ref = F.linear(x, w.float(), b)
     torch.testing.assert_close(kernels.bf16_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
 
@@ -62,10 +67,7 @@ def _bf16_dot_reference(x, w, b=None):
 @pytest.mark.parametrize("n, k", [(16, 2), (64, 64), (144, 96), (432, 202)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_dot_linear_matches_reference(m, n, k, bias):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g) if bias else None
+    x, w, b = _random_linear(m, n, k, bias)
     y = kernels.bf16_dot_linear(x, kernels.pack_bf16_dot(w), b)
     torch.testing.assert_close(y, _bf16_dot_reference(x, w, b), atol=1e-4, rtol=1e-5)
 

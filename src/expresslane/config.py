@@ -78,9 +78,10 @@ class EngineConfig:
             raise InvalidRequestError(f"unknown dtype {name!r}; use bfloat16, float16 or float32")
         # On CPU, a bf16 checkpoint computes in float32 and keeps its bf16 linear weights:
         # decode batches run the native step, which reads the bf16 bytes and sums in float32
-        # (with AVX-512 BF16, products of bf16-rounded activations): 141 against 69 tok/s for bf16 compute at batch 1 on an AVX-512 BF16 CPU
-        # (SmolLM2-135M); larger matmuls run oneDNN (see `Linear.prepare_cpu`). A half dtype
-        # without kernels computes in float32 only where its matmuls are slow (no AVX-512).
+        # (with AVX-512 BF16, products of bf16-rounded activations): 141 against 69 tok/s
+        # for bf16 compute at batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M); larger matmuls
+        # run oneDNN (see `Linear.prepare_cpu`). A half dtype without kernels computes in
+        # float32 only where its matmuls are slow (no AVX-512).
         upcast = self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32
         if upcast and (
             (dtype == torch.bfloat16 and cpu_kernels() is not None)
