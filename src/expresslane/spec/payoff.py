@@ -6,10 +6,10 @@ as much as the tokens they save. Where steps with guesses are slower per token, 
 turns off. Some steps still run the other way, so that a change (a warmer machine, a request
 that starts copying its prompt) is noticed: every `explore_every`-th while a bucket is untimed,
 then every `settled_explore_every`-th while guessing pays and every `recheck_every`-th while it
-does not. Rechecks are the more frequent, since a verdict against guessing can rest on a few
-cold steps at a request's start (its acceptance rate still unknown, its guesses short) and
-wrongly stop it for a long while; they cost little, since the timed plain steps are cheap to
-leave and an exploring draft model only catches up on the tokens it skipped."""
+does not. Rechecks are the more frequent: a verdict against guessing can rest on cold steps
+at a request's start (its acceptance rate still unknown, its guesses short) and would
+otherwise stop it for a long while, and a recheck costs at most one slower step in 16 (an
+exploring draft model first catches up, natively, on the tokens it skipped)."""
 
 from __future__ import annotations
 
