@@ -18,6 +18,8 @@
 
 #include <vector>
 
+#include "common.h"
+
 #ifdef __AVX512BF16__
 namespace {
 
@@ -86,12 +88,8 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   TORCH_CHECK(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
               "packed: contiguous and 64-byte aligned");
   x = x.contiguous();
-  torch::Tensor bias_f;
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
+  torch::Tensor bias_holder;
+  const float* b = expresslane::float_bias(bias, bias_holder);
   // x to bf16 pairs (round to nearest even), [M, K/2] as uint32
   std::vector<uint32_t> xb(M * K2);
   const float* xf = x.data_ptr<float>();

@@ -179,6 +179,13 @@ inline void score_rows_any(const float* q, const float* const* keys, int64_t n, 
   for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
 }
 
+inline void weigh_rows_any(const float* w, const float* const* values, int64_t n, int64_t D, float* out) {
+  if (D == 64) return weigh_rows<64>(w, values, n, out);
+  if (D == 32) return weigh_rows<32>(w, values, n, out);
+  std::fill(out, out + D, 0.0f);
+  for (int64_t p = 0; p < n; ++p) ops::axpy(w[p], values[p], out, D);
+}
+
 // weigh_rows for `rows` outputs that share their keys (a GQA group's heads at one position).
 inline void weigh_group_any(const float* const* w, const float* const* values, int64_t n, int64_t D, float* const* out,
                             int rows) {
@@ -187,16 +194,7 @@ inline void weigh_group_any(const float* const* w, const float* const* values, i
   if (D == 128) return weigh_group512<128>(w, values, n, out, rows);
   if (D == 32) return weigh_group512<32>(w, values, n, out, rows);
 #endif
-  for (int r = 0; r < rows; ++r) {
-    if (D == 64) {
-      weigh_rows<64>(w[r], values, n, out[r]);
-    } else if (D == 32) {
-      weigh_rows<32>(w[r], values, n, out[r]);
-    } else {
-      std::fill(out[r], out[r] + D, 0.0f);
-      for (int64_t p = 0; p < n; ++p) ops::axpy(w[r][p], values[p], out[r], D);
-    }
-  }
+  for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n, D, out[r]);
 }
 
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`

@@ -60,7 +60,7 @@ class Linear(nn.Module):
             kernels = cpu_kernels()
             if kernels is not None and kernels.bf16_dot_available() and _dot_packable(w):
                 self._bf16, self._bf16_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
-            elif kernels is not None:
+            elif kernels is not None:  # the row kernel takes any shape
                 self._bf16, self._bf16_kernel = w, kernels.bf16_linear
             if onednn_prepack_supported(torch.bfloat16):  # AVX-512 BF16 / AMX
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
