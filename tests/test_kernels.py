@@ -118,6 +118,21 @@ def test_linear_uses_the_kernel_for_small_batches_only():
         torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 100, 8192])
+def test_argmax_rows_is_torch_argmax(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    x[1] = x[1].round()  # many ties: the first maximum wins
+    x[2] = float("-inf")
+    x[3, n // 2] = float("nan")  # a NaN counts as the maximum
+    x[4, n - 1] = float("nan")
+    x[5, n // 3] = x[5].max() + 1  # one clear winner
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(3, 2 * n, generator=g)[:, :n]  # rows strided
+    assert torch.equal(kernels.argmax_rows(wide), wide.argmax(dim=-1))
+
+
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     """What the integer path computes with: x rounded to int8 per 32 values (amax / 127)."""
     blocks = x.view(x.shape[0], -1, 32)

@@ -20,13 +20,14 @@ from .conftest import random_prompts
 
 def test_ngram_proposer_finds_the_latest_continuation():
     p = NgramProposer(min_n=1, max_n=3)
-    assert p.lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
-    assert p.lookup([5, 6, 7], 3) == []
-    assert p.lookup([4, 4, 4], 5) == [4, 4, 4, 4, 4]  # a loop: its period continues
-    assert p.lookup([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert p.lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == ([7, 1], 3)
+    assert p.lookup([5, 6, 7], 3) == ([], 0)
+    assert p.lookup([4, 4, 4], 5) == ([4, 4, 4, 4, 4], 2)  # a loop: its period continues
+    assert p.lookup([8, 1, 2, 1, 2], 5) == ([1, 2, 1, 2, 1], 2)
+    assert p.lookup([3, 5, 1, 5], 2) == ([1, 5], 1)
 
 
-def _search(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+def _search(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
     """The lookup by brute force: every earlier n-gram, longest suffix first."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
@@ -36,8 +37,8 @@ def _search(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[i
             guess = tokens[start : start + k]
             while 0 < len(guess) < k:
                 guess.append(guess[len(guess) - (L - start)])
-            return guess
-    return []
+            return guess, n
+    return [], 0
 
 
 def test_ngram_index_grows_with_the_sequence_and_matches_a_full_search():
@@ -56,7 +57,8 @@ def test_ngram_index_grows_with_the_sequence_and_matches_a_full_search():
             assert p.lookup(tokens, k, index) == _search(tokens, k)
             tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
     req = Request("r", [1, 2, 3, 1, 2], SamplingParams(), max_tokens=4)
-    assert p.propose([req], [2])[0].token_ids == [3, 1]
+    proposal = p.propose([req], [2])[0]
+    assert (proposal.token_ids, proposal.kind) == ([3, 1], 2)
     assert "r" in p.indexes
     p.release("r")
     assert not p.indexes
@@ -125,6 +127,8 @@ def test_best_length_weighs_expected_tokens_against_step_cost():
 class _Scripted:
     """Proposes the known greedy continuation (always right) or a shifted one (always wrong),
     and records how many guesses it was asked for."""
+
+    free = False  # asked for the length the engine chose
 
     def __init__(self, full: list[int], right: bool):
         self.full = full
@@ -217,3 +221,73 @@ def test_lanes_stop_guessing_where_it_does_not_pay_except_ultrafast(llama_dir):
         engine.step()
     assert req.output_token_ids == plain
     assert scripted.asked and engine.lane_spec_stats["ultrafast"].accepted > 0
+
+
+def test_acceptance_is_estimated_per_kind_from_the_lane_to_the_request():
+    from expresslane.spec.acceptance import LANE_START, LaneAcceptance, Tally, guesses_tried
+
+    assert [guesses_tried(k, 4) for k in range(5)] == [1, 2, 3, 4, 4]  # up to the first miss
+    lane = LaneAcceptance()
+    mine: dict[int, Tally] = {}
+    assert lane.rate(mine, 4) == LANE_START  # nothing verified yet
+    for _ in range(40):
+        lane.record({}, 4, 8, 8)  # other requests: four-token matches always kept
+        lane.record({}, 1, 0, 2)  # one-token matches never
+    assert lane.rate(mine, 4) > 0.97 and lane.rate(mine, 1) < 0.05
+    for _ in range(60):  # this request's four-token matches keep half
+        lane.record(mine, 4, 1, 2)
+    own = lane.rate(mine, 4)
+    assert 0.5 < own < 0.75  # moved from the lane's ~1 toward its own 0.5
+    assert lane.rate({}, 4) < 0.75  # and it is part of the lane's record too
+
+
+def test_payoff_compares_time_per_token_as_a_ratio_of_sums_that_fades_with_steps():
+    from expresslane.spec.payoff import SpecPayoff
+
+    payoff = SpecPayoff(min_samples=2, weight=0.1)
+    for _ in range(4):
+        payoff.speculate(1)
+        payoff.record(1, True, 0.001, 1)  # a guess missed: 1 ms for one token
+        payoff.speculate(1)
+        payoff.record(1, True, 0.002, 9)  # all kept: 2 ms for nine
+        payoff.speculate(1)
+        payoff.record(1, False, 0.0005, 1)  # plain: 0.5 ms per token
+    # 3 ms per 10 tokens beats 0.5 ms per token (the mean of the ratios, 0.61 ms, would not)
+    assert payoff.pays(1) is True
+    bucket = payoff._bucket(1)
+    arm = bucket.arms[False]
+    for _ in range(100):
+        payoff.speculate(1)
+    payoff.record(1, False, 0.004, 1)  # after 100 steps untimed, a sample all but replaces it
+    assert arm.seconds_per_token > 0.0039
+
+
+def test_free_proposals_are_cut_to_what_their_kind_is_worth(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
+    engine = llm.engine
+    spec = engine.proposers[1]
+    for _ in range(50):
+        spec.acceptance.record({}, 3, 0, 6)  # three-token matches: never kept
+        spec.acceptance.record({}, 1, 6, 6)  # one-token matches: always
+    req = engine.add_request([1, 2, 3, 4, 9, 2, 3], SamplingParams(max_tokens=20, temperature=0))
+    engine.step()  # the prompt; its sampled token is set below (the n-gram index never saw it)
+    req.token_ids[-1] = 4  # ends in 2, 3, 4: a three-token match
+    engine._propose()
+    assert req.draft_kind == 3 and req.draft_ids == [9]  # cut to the fewest
+    req.token_ids[-1] = 9  # ends in 9: a one-token match
+    engine._propose()
+    assert req.draft_kind == 1 and req.draft_ids == [2, 3, 9, 2, 3, 9]  # the most
+
+
+def test_step_cost_line_is_predict_for_a_fixed_batch():
+    from expresslane.engine.step_model import StepLatencyModel
+
+    model = StepLatencyModel()
+    assert model.cost_line(4, 2048) is None
+    for i in range(20):
+        model.add_calibration(1 + i % 4, 1 + i % 8, 300 * i, 0.001 + 0.0001 * i)
+        model.add_calibration(1 + i % 4, 16 + i, 300 * i, 0.003 + 0.0002 * i)
+    model.fit()
+    line = model.cost_line(3, 1500)
+    for tokens in (1, 5, 8, 9, 30):
+        assert line(tokens) == pytest.approx(model.predict(3, tokens, 1500), rel=1e-9)

@@ -23,7 +23,13 @@ from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec import best_length, expected_tokens, make_proposer, proposal_length
+from expresslane.spec import (
+    SpecConfig,
+    best_length,
+    expected_tokens,
+    make_proposer,
+    proposal_length,
+)
 from expresslane.spec.draft import DraftModelProposer
 from expresslane.spec.payoff import SpecPayoff
 from expresslane.spec.stats import SpecStats
@@ -279,8 +285,8 @@ class LLMEngine:
             req.spec_verifications += 1
             self.spec_stats.record(len(drafts), appended - 1)
             self.lane_spec_stats[req.lane].record(len(drafts), appended - 1)
-            rate = (appended - 1) / len(drafts)
-            req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * rate
+            acceptance = self.proposers[req.priority].acceptance
+            acceptance.record(req.spec_tallies, req.draft_kind, appended - 1, len(drafts))
         if req.priority in self.proposers:
             rates = self.scheduler.tokens_per_step
             rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended
@@ -291,17 +297,13 @@ class LLMEngine:
         Lanes without a speed target stop guessing while the running batch is past where
         verification pays, or while guessing is measured to be slower than not at this batch
         size (`SpecPayoff`, adaptive lanes). Adaptive lanes choose each request's number of
-        guesses from its acceptance rate and the step-latency model (`best_length`): most
-        tokens per second."""
+        guesses from its acceptance rate for the proposal's kind (spec/acceptance.py) and the
+        step-latency model (`best_length`): most tokens per second. A free proposer (a lookup)
+        is asked for the most guesses and its proposal cut to that length; others are asked
+        for that length."""
         running = self.scheduler.running
         pays = self.spec_payoff.speculate(len(running))
         wanted: dict[int, tuple[list[Request], list[int]]] = {}
-        context = sum(r.num_tokens for r in running)
-
-        def step_seconds(tokens: int) -> float:
-            return self.step_model.predict(len(running), tokens, context)
-
-        extra, expected = 0, float(len(running))  # guesses so far, tokens the batch yields
         for req in running:
             spec = self.proposers.get(req.priority)
             if spec is None:
@@ -317,22 +319,47 @@ class LLMEngine:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
             if room <= 1:
                 continue
-            k, a = min(spec.num_tokens, room - 1), req.spec_acceptance
-            if spec.adaptive and self.step_model.ready:
-                base = len(running) + extra
-                k = best_length(a, k, lambda n, base=base: step_seconds(base + n), expected - 1)
-            elif spec.adaptive:
-                k = proposal_length(a, k)
-            extra += k
-            expected += expected_tokens(a, k) - 1
             reqs, lengths = wanted.setdefault(req.priority, ([], []))
             reqs.append(req)
-            lengths.append(k)
+            lengths.append(min(spec.num_tokens, room - 1))
+        if not wanted:
+            return
+        size = self._proposal_sizer(running)
         for rank, (reqs, lengths) in wanted.items():
-            proposals = self.proposers[rank].proposer.propose(reqs, lengths)
+            spec = self.proposers[rank]
+            free = spec.proposer.free
+            if not free:
+                lengths = [size(spec, r, 0, k) for r, k in zip(reqs, lengths, strict=True)]
+            proposals = spec.proposer.propose(reqs, lengths)
             for req, k, proposal in zip(reqs, lengths, proposals, strict=True):
-                req.draft_ids = proposal.token_ids[:k]
+                guesses = proposal.token_ids[:k]
+                if free and guesses:
+                    guesses = guesses[: size(spec, req, proposal.kind, len(guesses))]
+                req.draft_ids = guesses
                 req.draft_probs = proposal.probs
+                req.draft_kind = proposal.kind
+
+    def _proposal_sizer(self, running: list[Request]):
+        """size(spec, req, kind, most): how many guesses `req` verifies this step, chosen in
+        turn for the requests of the batch (each choice sees the guesses chosen before it)."""
+        context = sum(r.num_tokens for r in running)
+        costs = self.step_model.cost_line(len(running), context)
+        extra, expected = 0, float(len(running))  # guesses so far, tokens the batch yields
+
+        def size(spec: SpecConfig, req: Request, kind: int, most: int) -> int:
+            nonlocal extra, expected
+            a = spec.acceptance.rate(req.spec_tallies, kind)
+            k = most
+            if spec.adaptive and costs is not None:
+                base = len(running) + extra
+                k = best_length(a, most, lambda n: costs(base + n), expected - 1)
+            elif spec.adaptive:
+                k = proposal_length(a, most)
+            extra += k
+            expected += expected_tokens(a, k) - 1
+            return k
+
+        return size
 
     # -- step-latency model ---------------------------------------------------------------
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from expresslane.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from expresslane.spec.acceptance import Tally
 
 
 class Status(enum.Enum):
@@ -77,7 +81,8 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
         self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
-        self.spec_acceptance = 0.75  # running acceptance rate of its guesses
+        self.draft_kind = 0  # the proposal's kind (spec/proposal.py)
+        self.spec_tallies: dict[int, Tally] = {}  # its verified guesses per proposal kind
         self.spec_verifications = 0  # steps that verified its guesses
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None

@@ -76,8 +76,10 @@ class ModelRunner:
 
         `samples` lists (request, rows): the request's last known token is sampled, plus one
         row per speculative guess in `draft_ids` (those tokens are scored in the same pass)."""
-        if items and all(n == 1 and r.num_computed_tokens == r.num_tokens - 1 for r, n in items):
-            return self._prepare_decodes([r for r, _ in items])
+        q_len = items[0][1] if items else 0
+        decoding = (n == q_len and r.num_computed_tokens == r.num_tokens - 1 for r, n in items)
+        if items and all(decoding):
+            return self._prepare_decodes([r for r, _ in items], q_len)
         decodes, chunks = _uniform_group(items)
         uniform = {id(r) for r, _ in decodes}
         ids: list[int] = []
@@ -119,15 +121,20 @@ class ModelRunner:
             samples,
         )
 
-    def _prepare_decodes(self, reqs: list[Request]):
-        """`prepare` for the most common step, every sequence decoding one token: the slots
-        come from the padded table the attention needs anyway, and every row is sampled."""
+    def _prepare_decodes(self, reqs: list[Request], q_len: int):
+        """`prepare` for the most common steps, every sequence decoding its last token and
+        the same number of guesses (q_len - 1; none for plain decoding): the slots come from
+        the padded table the attention needs anyway, and every row is sampled."""
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
-        starts, slots = self._decode_metadata(meta, reqs, 1)
-        meta.slot_mapping = torch.from_numpy(slots[np.arange(len(reqs)), starts]).to(dev)
-        ids = torch.tensor([r.token_ids[-1] for r in reqs], dtype=torch.long, device=dev)
-        return ids, torch.from_numpy(starts).to(dev), meta, None, [(r, 1) for r in reqs]
+        starts, slots = self._decode_metadata(meta, reqs, q_len)
+        positions = starts[:, None] + np.arange(q_len)  # [B, q_len]
+        rows = np.arange(len(reqs))[:, None]
+        meta.slot_mapping = torch.from_numpy(slots[rows, positions].reshape(-1)).to(dev)
+        ids = [t for r in reqs for t in (r.token_ids[-1], *r.draft_ids[: q_len - 1])]
+        ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(positions.reshape(-1)).to(dev)
+        return ids, positions, meta, None, [(r, q_len) for r in reqs]
 
     def padded_slots(self, reqs: list[Request], length: int) -> np.ndarray:
         """[len(reqs), length] slots of positions 0..length-1 of each request (block 0 past
@@ -145,9 +152,7 @@ class ModelRunner:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Fills the decode fields of `meta`; returns (starts [B], padded slots [B, L])."""
         starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
-        lens = starts + q_len
-        L = int(lens.max())
-        pos = np.arange(L)
+        L = int(starts.max()) + q_len
         slots = self.padded_slots(reqs, L)
         meta.num_decode_tokens = len(reqs) * q_len
         meta.decode_batch = len(reqs)
@@ -155,13 +160,6 @@ class ModelRunner:
         meta.decode_ctx = L
         meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
         meta.decode_starts = torch.from_numpy(starts).to(self.device)
-        if q_len > 1 or (lens != L).any():
-            # query j of sequence b sits at starts[b] + j and sees positions up to there
-            visible = starts[:, None] + np.arange(q_len)[None, :]
-            hidden = pos[None, None, :] > visible[:, :, None]  # [B, Q, L]
-            mask = torch.zeros(len(reqs), q_len, 1, L, dtype=self.dtype)
-            mask.masked_fill_(torch.from_numpy(hidden).unsqueeze(2), float("-inf"))
-            meta.decode_mask = mask.to(self.device)
         return starts, slots
 
     @torch.inference_mode()

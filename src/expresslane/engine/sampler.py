@@ -43,6 +43,16 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the native one on CPU (ATen's took 24 us for 9 rows of 8,192)."""
+    kernels = None
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        from expresslane.kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+    return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None):
         self.device = device
@@ -69,7 +79,7 @@ class Sampler:
         logits = self._mask_early_stops(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             tokens = self._sample(logits, reqs, greedy, offsets)
         token_list = tokens.tolist()

@@ -95,12 +95,33 @@ class StepLatencyModel:
             f.coef = np.asarray(coef, dtype=float)
 
     def predict(self, num_seqs: int, num_tokens: int, context_tokens: int) -> float:
-        fit = self.fits[self._regime(num_tokens)]
-        if fit.coef is None:
-            fit = next((f for f in self.fits.values() if f.coef is not None), None)
-            if fit is None:
-                return 0.0
-        return float(np.dot(fit.coef, features(num_seqs, num_tokens, context_tokens)))
+        if not self.ready:
+            return 0.0
+        coef = self._coef(self._regime(num_tokens))
+        return float(np.dot(coef, features(num_seqs, num_tokens, context_tokens)))
+
+    def cost_line(self, num_seqs: int, context_tokens: int):
+        """`predict` as a function of the step's tokens for a fixed batch and context (None
+        before any fit); plain floats, cheap enough to call for every guess considered."""
+        if not self.ready:
+            return None
+        lines = {}
+        for name in self.fits:
+            a, b, c, d = (float(v) for v in self._coef(name))
+            lines[name] = (a + b * num_seqs + d * context_tokens / 1024.0, c)
+        small, large, limit = lines["small"], lines["large"], self.small_tokens
+
+        def seconds(num_tokens: int) -> float:
+            fixed, per_token = small if num_tokens <= limit else large
+            return fixed + per_token * num_tokens
+
+        return seconds
+
+    def _coef(self, regime: str):
+        fit = self.fits[regime]
+        if fit.coef is None:  # not fitted yet: the other regime's line stands in
+            fit = next(f for f in self.fits.values() if f.coef is not None)
+        return fit.coef
 
     def describe(self) -> str:
         parts = []

@@ -113,10 +113,15 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   at::parallel_for(0, N / 16, 12, [&](int64_t c0, int64_t c1) {
     for (int64_t cc = c0; cc < c1; cc += kChunk) {
       const int64_t ce = std::min(cc + kChunk, c1);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      // row passes of at most 8, balanced (9 rows: 5 + 4, not 8 + 1: a one-row pass has too
+      // few accumulation chains to keep the dot-product units busy)
+      const int64_t passes = (M + 7) / 8;
+      for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
+        const int64_t rows = (M - m0 + (passes - pass) - 1) / (passes - pass);
         const uint32_t* xp = xb.data() + m0 * K2;
         float* ym = yp + m0 * N;
-        switch (std::min<int64_t>(8, M - m0)) {
+        m0 += rows;
+        switch (rows) {
           case 1: row_block<1>(xp, w, K2, ym, N, cc, ce, b); break;
           case 2: row_block<2>(xp, w, K2, ym, N, cc, ce, b); break;
           case 3: row_block<3>(xp, w, K2, ym, N, cc, ce, b); break;

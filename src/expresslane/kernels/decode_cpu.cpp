@@ -64,6 +64,16 @@ inline uint8_t e2m1_code(float v) {
 
 }  // namespace
 
+// x: float32 [M, N] (rows may be strided) -> int64 [M], each row's torch.argmax.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) > 0, "x: float32 [M, N], N >= 1");
+  if (x.stride(1) != 1) x = x.contiguous();
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < x.size(0); ++m) out.data_ptr<int64_t>()[m] = ops::argmax(xp + m * x.stride(0), x.size(1));
+  return out;
+}
+
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps)
@@ -194,7 +204,7 @@ class DecodeStack {
     auto h = forward(x, cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1),
                      slots.index({rows, positions}), slots.reshape(-1), L, Q, starts);
     auto last = h.view({B, Q, -1}).select(1, Q - 1).contiguous();
-    return logits(last, c10::nullopt).narrow(1, 0, vocab).argmax(1);
+    return argmax_rows(logits(last, c10::nullopt).narrow(1, 0, vocab));
   }
 
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
@@ -270,6 +280,7 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
 }
 
 void register_decode_stack(pybind11::module& m) {
+  m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)");
   m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())

@@ -105,6 +105,46 @@ inline void softmax(float* s, int64_t n) {
   for (; i < n; ++i) s[i] *= 1.0f / total;
 }
 
+// The index of the first maximum of x[0..n), n >= 1, as torch.argmax (which counts a NaN as
+// the maximum: the first NaN's index). Two passes: the maximum, in four independent chains,
+// then the first element equal to it. ATen's argmax took 6 us for one row of 8,192 logits.
+inline int64_t argmax(const float* x, int64_t n) {
+  float top = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+  if (n >= 32) {
+    __m256 m[4], unordered = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) m[j] = _mm256_loadu_ps(x + 8 * j);
+    for (int j = 0; j < 4; ++j) unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(m[j], m[j], _CMP_UNORD_Q));
+    for (i = 32; i + 32 <= n; i += 32)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m[j] = _mm256_max_ps(m[j], v);
+      }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float v : lanes) top = std::max(top, v);
+    nan = _mm256_movemask_ps(unordered) != 0;
+  }
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    top = std::max(top, x[i]);
+  }
+  int64_t p = 0;
+  if (nan) {
+    while (!std::isnan(x[p])) ++p;
+    return p;
+  }
+  const __m256 t = _mm256_set1_ps(top);
+  for (; p + 8 <= n; p += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + p), t, _CMP_EQ_OQ));
+    if (hits) return p + __builtin_ctz(hits);
+  }
+  while (x[p] != top) ++p;
+  return p;
+}
+
 inline void add_inplace(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));

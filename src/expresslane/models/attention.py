@@ -39,9 +39,22 @@ class AttentionMetadata:
     decode_batch: int = 0
     decode_slots: torch.Tensor | None = None  # [decode_batch * decode_ctx] flat, padded
     decode_ctx: int = 0  # padded context length of the decode batch
-    decode_mask: torch.Tensor | None = None  # [decode_batch, q_len, 1, decode_ctx] additive
     decode_starts: torch.Tensor | None = None  # [decode_batch] cached tokens before this step
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
+        position starts[b] + j and sees the positions up to there. Built on first use, once
+        per step (the native decode step never needs it)."""
+        if self._decode_mask is None:
+            starts = self.decode_starts
+            dev = starts.device
+            visible = starts[:, None] + torch.arange(self.decode_q_len, device=dev)[None, :]
+            hidden = torch.arange(self.decode_ctx, device=dev)[None, None, :] > visible[..., None]
+            mask = torch.zeros(*hidden.shape, dtype=dtype, device=dev)
+            self._decode_mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(2)
+        return self._decode_mask
 
 
 def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
@@ -95,8 +108,8 @@ class PagedAttention(torch.nn.Module):
         # [B*Q, H, D] -> [Hkv, B, Q*G, D]: one matmul batch entry per (kv head, sequence)
         qg = q.view(B, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, Q * G, D)
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))
-        if meta.decode_mask is not None:
-            scores = scores.view(Hkv, B, Q, G, L).add_(meta.decode_mask).view(Hkv, B, Q * G, L)
+        mask = meta.decode_mask(scores.dtype)
+        scores = scores.view(Hkv, B, Q, G, L).add_(mask).view(Hkv, B, Q * G, L)
         probs = torch.softmax(scores * self.scale, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, kv[1])  # [Hkv, B, Q*G, D]
         return out.view(Hkv, B, Q, G, D).permute(1, 2, 0, 3, 4).reshape(B * Q, Hkv * G * D)

@@ -6,10 +6,11 @@ by rejection sampling (engine/sampler.py), so their distribution is unchanged.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from expresslane.engine.request import Request
+from expresslane.spec.acceptance import LaneAcceptance
 from expresslane.spec.ngram import NgramProposer
 from expresslane.spec.proposal import Proposal
 
@@ -22,6 +23,11 @@ DEFAULT_MAX_BATCH = {"cpu": 2, "cuda": 32}
 
 
 class Proposer(Protocol):
+    # True: proposing costs next to nothing (a lookup), so the engine asks for the most
+    # guesses and keeps as many as the proposal's kind is expected to be worth. False: each
+    # guess costs the proposer work, so the engine chooses the length before asking.
+    free: bool
+
     def propose(self, requests: list[Request], lengths: list[int]) -> list[Proposal]:
         """Up to lengths[i] guesses for the tokens that follow requests[i]'s tokens."""
 
@@ -37,6 +43,7 @@ class SpecConfig:
     # each request's guesses follow its acceptance rate, and a lane without a speed target
     # stops guessing at batch sizes where it is measured not to pay (spec/payoff.py)
     adaptive: bool = True
+    acceptance: LaneAcceptance = field(default_factory=LaneAcceptance)
 
 
 def make_proposer(

@@ -19,6 +19,7 @@ import torch
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
 from expresslane.engine.runner import ModelRunner
+from expresslane.engine.sampler import greedy_tokens
 from expresslane.errors import ModelLoadError
 from expresslane.models import load_model
 from expresslane.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class Shadow(Request):
 
 
 class DraftModelProposer:
+    free = False  # every guess costs a draft step: the engine sizes proposals beforehand
+
     def __init__(
         self,
         model_dir: Path,
@@ -142,7 +145,7 @@ class DraftModelProposer:
         if self.cfg.vocab_size < self.vocab:  # tokens the draft cannot propose
             pad = logits.new_full((logits.shape[0], self.vocab - self.cfg.vocab_size), -torch.inf)
             logits = torch.cat([logits, pad], dim=1)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         sampled = [row for row, i in enumerate(order) if not greedy[i]]
         if not sampled:
             return tokens.tolist(), None

@@ -31,6 +31,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    free = True  # a lookup costs next to nothing: the engine asks for the most guesses
+
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n = min_n
         self.max_n = max_n
@@ -42,15 +44,19 @@ class NgramProposer:
             index = self.indexes.get(r.request_id)
             if index is None:
                 index = self.indexes[r.request_id] = NgramIndex(self.min_n, self.max_n)
-            proposals.append(Proposal(self.lookup(r.token_ids, k, index)))
+            guess, n = self.lookup(r.token_ids, k, index)
+            proposals.append(Proposal(guess, kind=n))
         return proposals
 
     def release(self, request_id: str) -> None:
         self.indexes.pop(request_id, None)
 
-    def lookup(self, token_ids: list[int], k: int, index: NgramIndex | None = None) -> list[int]:
+    def lookup(
+        self, token_ids: list[int], k: int, index: NgramIndex | None = None
+    ) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix
-        (periodic: when that occurrence overlaps the suffix, the period is repeated)."""
+        (periodic: when that occurrence overlaps the suffix, the period is repeated), and the
+        length of that suffix (0: no match, no guess)."""
         if index is None:
             index = NgramIndex(self.min_n, self.max_n)
         index.update(token_ids)
@@ -64,5 +70,5 @@ class NgramProposer:
                 # sequence is periodic there, so keep copying through the guess itself.
                 while 0 < len(guess) < k:
                     guess.append(guess[len(guess) - (L - start)])
-                return guess
-        return []
+                return guess, n
+        return [], 0

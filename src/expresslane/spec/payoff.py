@@ -9,7 +9,12 @@ then every `settled_explore_every`-th while guessing pays and every `recheck_eve
 does not. Rechecks are the more frequent: a verdict against guessing can rest on cold steps
 at a request's start (its acceptance rate still unknown, its guesses short) and would
 otherwise stop it for a long while, and a recheck costs at most one slower step in 16 (an
-exploring draft model first catches up, natively, on the tokens it skipped)."""
+exploring draft model first catches up, natively, on the tokens it skipped).
+
+Both averages fade with the steps taken, not with their own samples: a sample that comes
+after a gap of g decisions weighs 1 - (1 - weight)^g. So an arm timed only by rechecks follows
+the machine as quickly as the arm that runs: otherwise its average would still hold the cold
+steps of a process's first requests hundreds of steps later, and keep its verdict."""
 
 from __future__ import annotations
 
@@ -18,13 +23,27 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Arm:
-    seconds_per_token: float = 0.0
-    samples: int = 0
+    """Faded sums of step seconds and of tokens emitted: their ratio is the time per token
+    (a mean of per-step ratios would weigh a step that emits one token like one that emits
+    nine, and undervalue guessing)."""
 
-    def add(self, value: float, weight: float) -> None:
+    seconds: float = 0.0
+    tokens: float = 0.0
+    samples: int = 0
+    at: int = 0  # the bucket's decision count at the last sample
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+    def add(self, seconds: float, tokens: int, weight: float, now: int) -> None:
         self.samples += 1
-        w = max(weight, 1.0 / self.samples)  # a plain mean until the window fills
-        self.seconds_per_token += w * (value - self.seconds_per_token)
+        gap = max(now - self.at, 1)
+        self.at = now
+        faded = 1.0 - (1.0 - weight) ** gap
+        w = max(faded, 1.0 / self.samples)  # a plain mean until the window fills
+        self.seconds += w * (seconds - self.seconds)
+        self.tokens += w * (tokens - self.tokens)
 
 
 @dataclass
@@ -77,4 +96,5 @@ class SpecPayoff:
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode-only step: its wall time (proposals included) and the tokens it emitted."""
         if tokens > 0:
-            self._bucket(batch).arms[speculated].add(seconds / tokens, self.weight)
+            bucket = self._bucket(batch)
+            bucket.arms[speculated].add(seconds, tokens, self.weight, bucket.decisions)
