@@ -141,14 +141,16 @@ inline void score_rows512(const float* q, const float* const* keys, int64_t n, f
   }
 }
 
-// out[r][0..D) = sum over p < n of w[r][p] * values[p] for R rows at once (one load of each
-// value row), accumulated in p order: each output as if computed alone.
+// out[r][0..D) += sum over p0 <= p < p1 of w[r][p] * values[p] for R rows at once (one load
+// of each value row), accumulated in p order; `resume`: out holds the sums over p < p0, else
+// they start at zero. Each output is the same chain of operations as if computed alone.
 template <int D, int R>
-inline void weigh_rows512(const float* const* w, const float* const* values, int64_t n, float* const* out) {
+inline void weigh_rows512(const float* const* w, const float* const* values, int64_t p0, int64_t p1,
+                          float* const* out, bool resume) {
   __m512 acc[R][D / 16];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < D / 16; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; ++p) {
+    for (int i = 0; i < D / 16; ++i) acc[r][i] = resume ? _mm512_loadu_ps(out[r] + 16 * i) : _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
     __m512 v[D / 16];
     for (int i = 0; i < D / 16; ++i) v[i] = _mm512_loadu_ps(values[p] + 16 * i);
     for (int r = 0; r < R; ++r) {
@@ -160,11 +162,26 @@ inline void weigh_rows512(const float* const* w, const float* const* values, int
     for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out[r] + 16 * i, acc[r][i]);
 }
 
+// Rows in groups of up to R (R * D / 16 accumulators: 16 registers at most), 4 rows giving 16
+// independent chains (one row's 4 were bound by the FMA latency). n[r]: the keys row r sees,
+// non-decreasing (a verification's later queries see more): a group weighs the keys its first
+// row sees together, then each row its own remaining ones.
 template <int D>
-inline void weigh_group512(const float* const* w, const float* const* values, int64_t n, float* const* out, int rows) {
-  constexpr int R = D <= 64 ? 4 : 2;  // R * D / 16 accumulators within the 32 registers
-  for (; rows >= R; rows -= R, w += R, out += R) weigh_rows512<D, R>(w, values, n, out);
-  for (; rows > 0; --rows, ++w, ++out) weigh_rows512<D, 1>(w, values, n, out);
+inline void weigh_group512(const float* const* w, const float* const* values, const int64_t* n, float* const* out,
+                           int rows) {
+  constexpr int R = D <= 64 ? 4 : 2;
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    const int m = std::min(R, rows - r0);
+    const int64_t shared = n[r0];
+    switch (m) {
+      case 1: weigh_rows512<D, 1>(w + r0, values, 0, shared, out + r0, false); break;
+      case 2: weigh_rows512<D, 2>(w + r0, values, 0, shared, out + r0, false); break;
+      case 3: if constexpr (R >= 3) weigh_rows512<D, 3>(w + r0, values, 0, shared, out + r0, false); break;
+      default: if constexpr (R >= 4) weigh_rows512<D, 4>(w + r0, values, 0, shared, out + r0, false); break;
+    }
+    for (int r = r0; r < r0 + m; ++r)
+      if (n[r] > shared) weigh_rows512<D, 1>(w + r, values, shared, n[r], out + r, true);
+  }
 }
 #endif
 
@@ -186,33 +203,35 @@ inline void weigh_rows_any(const float* w, const float* const* values, int64_t n
   for (int64_t p = 0; p < n; ++p) ops::axpy(w[p], values[p], out, D);
 }
 
-// weigh_rows for `rows` outputs that share their keys (a GQA group's heads at one position).
-inline void weigh_group_any(const float* const* w, const float* const* values, int64_t n, int64_t D, float* const* out,
-                            int rows) {
+// weigh_rows for `rows` outputs over the same value rows, row r over the first n[r] of them
+// (n non-decreasing).
+inline void weigh_group_any(const float* const* w, const float* const* values, const int64_t* n, int64_t D,
+                            float* const* out, int rows) {
 #ifdef __AVX512F__
   if (D == 64) return weigh_group512<64>(w, values, n, out, rows);
   if (D == 128) return weigh_group512<128>(w, values, n, out, rows);
   if (D == 32) return weigh_group512<32>(w, values, n, out, rows);
 #endif
-  for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n, D, out[r]);
+  for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n[r], D, out[r]);
 }
 
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
 // floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
 // 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
 // Each (sequence, kv head) pair's G * Q query rows are the inner work: each row is scored
-// against the key rows it sees with the query in registers, then softmax, then the G rows of
-// one position weigh the value rows together with their outputs in registers. Compressed
-// caches are expanded once per pair.
+// against the key rows it sees with the query in registers, then softmax, then the rows weigh
+// the value rows in groups that share each value load (weigh_group_any). Compressed caches are
+// expanded once per pair.
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
                      int64_t L, const int64_t* slots, const int64_t* starts) {
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t work = std::max<int64_t>(1, L * rows * D);
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(G * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
-    std::vector<const float*> keys(L), values(L), weights(G);
-    std::vector<float*> outs(G);
+    std::vector<float> scores(rows * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
+    std::vector<const float*> keys(L), values(L), weights(rows);
+    std::vector<float*> outs(rows);
+    std::vector<int64_t> seen_by(rows);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv;
       const int64_t* seq = slots + b * L;
@@ -226,15 +245,17 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
       for (int64_t j = 0; j < Q; ++j) {
         const int64_t n = std::min(seen, starts[b] + j + 1);
         for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * G + g;
           const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
-          float* sg = scores.data() + g * L;
-          score_rows_any(qr, keys.data(), n, D, scale, sg);
-          ops::softmax(sg, n);
-          weights[g] = sg;
-          outs[g] = out + (b * Q + j) * H * D + (h * G + g) * D;
+          float* sr = scores.data() + r * L;
+          score_rows_any(qr, keys.data(), n, D, scale, sr);
+          ops::softmax(sr, n);
+          weights[r] = sr;
+          seen_by[r] = n;
+          outs[r] = out + (b * Q + j) * H * D + (h * G + g) * D;
         }
-        weigh_group_any(weights.data(), values.data(), n, D, outs.data(), static_cast<int>(G));
       }
+      weigh_group_any(weights.data(), values.data(), seen_by.data(), D, outs.data(), static_cast<int>(rows));
     }
   });
 }
