@@ -81,10 +81,6 @@ class LLMEngine:
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lanes = build_lanes(config.lanes)
-        self.step_model = StepLatencyModel()
-        self.scheduler = Scheduler(
-            self.kv, config.max_batch, config.max_num_batched_tokens, self.lanes, self.step_model
-        )
         self.runner = ModelRunner(
             self.model,
             mcfg,
@@ -94,6 +90,13 @@ class LLMEngine:
             self.device,
             config.seed,
             config.kv_cache_dtype,
+        )
+        # steps the native decode step runs (decodes and verifications up to its row limit)
+        # cost other than larger ones: the step-latency model fits them on a line of their own
+        native = self.model.native_rows if self.model.decode_stack is not None else 8
+        self.step_model = StepLatencyModel(small_tokens=max(native, 8))
+        self.scheduler = Scheduler(
+            self.kv, config.max_batch, config.max_num_batched_tokens, self.lanes, self.step_model
         )
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
