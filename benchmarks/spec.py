@@ -12,7 +12,7 @@ the modes' runs interleaved over `--batch-rounds`, and the ratio is the median o
 per-round ratios).
 Greedy outputs are checked token-identical across modes.
 
-    python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 4] [--batch-rounds 5]
+    python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 8] [--batch-rounds 5]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4, help="most guesses per step")
+    ap.add_argument("--k", type=int, default=8, help="most guesses per step")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-rounds", type=int, default=5, help="interleaved runs per mode")
     args = ap.parse_args()
