@@ -146,7 +146,7 @@ class DecodeStack {
   // The output head for `greedy`: token embeddings [V, hidden], final norm, lm_head linear.
   void set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head, int64_t fp4_block,
                 int64_t fp4_scale_kind) {
-    embed_ = embed;
+    embed_ = embed.contiguous();
     norm_ = norm.to(torch::kFloat32).contiguous();
     head_ = {lm_head, c10::nullopt, fp4_block, fp4_scale_kind};
   }
@@ -172,39 +172,78 @@ class DecodeStack {
                        int64_t steps, torch::Tensor cos, torch::Tensor sin, int64_t vocab) {
     TORCH_CHECK(embed_.defined(), "set_head first");
     const int64_t B = static_cast<int64_t>(unseen.size());
-    auto slots = decode_slots.to(torch::kInt64).view({B, L});
-    auto pos = starts.to(torch::kInt64).clone();
+    auto slots = decode_slots.to(torch::kInt64).contiguous();
+    auto pos = starts.to(torch::kInt64).contiguous().clone();
+    cos = cos.to(torch::kFloat32).contiguous();
+    sin = sin.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(slots.numel() == B * L && pos.numel() == B && cos.size(1) == D, "greedy: shapes");
     auto out = torch::empty({B, steps}, pos.options());
+    int64_t* o = out.data_ptr<int64_t>();
+    int64_t* p = pos.data_ptr<int64_t>();
+    std::vector<int64_t> tokens;
     bool uniform = true;
-    for (const auto& u : unseen) uniform = uniform && u.numel() == unseen[0].numel();
+    for (auto& u : unseen) {
+      u = u.to(torch::kInt64).contiguous();
+      uniform = uniform && u.numel() == unseen[0].numel();
+    }
     // catch up on the unseen tokens; the last one's logits give the first guess
     if (uniform) {
-      out.select(1, 0).copy_(next_tokens(torch::stack(unseen), pos, slots, L, cos, sin, vocab));
+      for (const auto& u : unseen) tokens.insert(tokens.end(), u.data_ptr<int64_t>(), u.data_ptr<int64_t>() + u.numel());
+      next_tokens(tokens.data(), B, unseen[0].numel(), pos, slots, L, cos, sin, vocab, o, steps);
     } else {
       for (int64_t b = 0; b < B; ++b)
-        out.select(1, 0).narrow(0, b, 1).copy_(next_tokens(unseen[b].view({1, -1}), pos.narrow(0, b, 1),
-                                                           slots.narrow(0, b, 1), L, cos, sin, vocab));
+        next_tokens(unseen[b].data_ptr<int64_t>(), 1, unseen[b].numel(), pos.narrow(0, b, 1), slots.narrow(0, b * L, L), L,
+                    cos, sin, vocab, o + b * steps, steps);
     }
-    for (int64_t b = 0; b < B; ++b) pos[b] += unseen[b].numel();
+    for (int64_t b = 0; b < B; ++b) p[b] += unseen[b].numel();
+    tokens.resize(B);
     for (int64_t i = 1; i < steps; ++i) {
-      out.select(1, i).copy_(next_tokens(out.select(1, i - 1).view({B, 1}), pos, slots, L, cos, sin, vocab));
-      pos += 1;
+      for (int64_t b = 0; b < B; ++b) tokens[b] = o[b * steps + i - 1];
+      next_tokens(tokens.data(), B, 1, pos, slots, L, cos, sin, vocab, o + i, steps);
+      for (int64_t b = 0; b < B; ++b) p[b] += 1;
     }
     return out;
   }
 
  private:
-  // tokens [B, Q] at positions starts[b].. of each sequence -> the greedy token after each.
-  torch::Tensor next_tokens(const torch::Tensor& tokens, const torch::Tensor& starts, const torch::Tensor& slots,
-                            int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab) {
-    const int64_t B = tokens.size(0), Q = tokens.size(1);
-    auto positions = (starts.view({B, 1}) + torch::arange(Q, starts.options()).view({1, Q})).view(-1);
-    auto rows = torch::arange(B, starts.options()).repeat_interleave(Q);
-    auto x = embed_.index_select(0, tokens.reshape(-1).to(torch::kInt64)).to(torch::kFloat32);
-    auto h = forward(x, cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1),
-                     slots.index({rows, positions}), slots.reshape(-1), L, Q, starts);
-    auto last = h.view({B, Q, -1}).select(1, Q - 1).contiguous();
-    return argmax_rows(logits(last, c10::nullopt).narrow(1, 0, vocab));
+  // tokens [B*Q] (Q per sequence) at positions starts[b].. of each sequence -> the greedy
+  // token after each sequence's last, written to out[b * out_stride]. Inputs are gathered
+  // with plain loops: as ATen ops (index_select, advanced indexing) they cost more than a
+  // draft model's layers.
+  void next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts, const torch::Tensor& slots,
+                   int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab, int64_t* out,
+                   int64_t out_stride) {
+    const int64_t T = B * Q, hidden = embed_.size(1);
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto x = torch::empty({T, hidden}, f32);
+    auto c = torch::empty({T, 1, D}, f32), s = torch::empty({T, 1, D}, f32);
+    auto slot_out = torch::empty({T}, torch::TensorOptions().dtype(torch::kInt64));
+    const int64_t* st = starts.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < Q; ++j) {
+        const int64_t t = b * Q + j, position = st[b] + j;
+        embed_row(tokens[t], x.data_ptr<float>() + t * hidden);
+        std::memcpy(c.data_ptr<float>() + t * D, cos.data_ptr<float>() + position * D, D * sizeof(float));
+        std::memcpy(s.data_ptr<float>() + t * D, sin.data_ptr<float>() + position * D, D * sizeof(float));
+        slot_out.data_ptr<int64_t>()[t] = sl[b * L + position];
+      }
+    auto h = forward(x, c, s, slot_out, slots, L, Q, starts);
+    auto last = Q == 1 ? h : h.view({B, Q, -1}).select(1, Q - 1).contiguous();
+    auto next = argmax_rows(logits(last, c10::nullopt).narrow(1, 0, vocab));
+    for (int64_t b = 0; b < B; ++b) out[b * out_stride] = next.data_ptr<int64_t>()[b];
+  }
+
+  void embed_row(int64_t token, float* dst) const {
+    const int64_t hidden = embed_.size(1);
+    TORCH_CHECK(token >= 0 && token < embed_.size(0), "token id out of range");
+    if (embed_.dtype() == torch::kFloat32) {
+      std::memcpy(dst, embed_.data_ptr<float>() + token * hidden, hidden * sizeof(float));
+    } else {
+      TORCH_CHECK(embed_.dtype() == torch::kBFloat16, "embeddings: float32 or bf16");
+      const at::BFloat16* src = embed_.data_ptr<at::BFloat16>() + token * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = static_cast<float>(src[i]);
+    }
   }
 
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
