@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import InvalidRequestError
@@ -291,3 +292,36 @@ def test_step_cost_line_is_predict_for_a_fixed_batch():
     line = model.cost_line(3, 1500)
     for tokens in (1, 5, 8, 9, 30):
         assert line(tokens) == pytest.approx(model.predict(3, tokens, 1500), rel=1e-9)
+
+
+def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
+    prompts = random_prompts(3, 10, 20, seed=35)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2
+    params.append(SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True))
+    plain = LLM(str(llama_dir), dtype="float32").generate(prompts[:2], params[:2])
+    llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 4, "max_batch": None})
+    engine = llm.engine
+    a, b, c = (engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True))
+    while not all(r.num_computed_tokens == r.num_tokens - 1 for r in (a, b, c)):
+        engine.step()
+    vocab = engine.model_config.vocab_size
+    a.draft_ids, b.draft_ids, c.draft_ids = [7, 8, 9, 10], [11, 12, 13, 14], [15]
+    c.draft_probs = torch.full((1, vocab), 1.0 / vocab)
+    engine._uniform_guesses(engine.scheduler.running)  # not fitted yet: the median, 4
+    assert a.draft_ids == [7, 8, 9, 10] and b.draft_ids == [11, 12, 13, 14]
+    assert c.draft_ids == [15] * 4 and c.draft_padding == 3
+    assert c.draft_probs.shape == (4, vocab) and c.draft_probs[1:, 15].tolist() == [1.0] * 3
+    b.draft_ids = []
+    c.keep_guesses(2)  # a budget cut drops pads first
+    assert c.draft_ids == [15, 15] and c.draft_padding == 1
+    engine._uniform_guesses(engine.scheduler.running)  # 4, 0, 2: the median, 2
+    assert (a.draft_ids, b.draft_ids, c.draft_ids) == ([7, 8], [b.token_ids[-1]] * 2, [15, 15])
+    assert (a.draft_padding, b.draft_padding, c.draft_padding) == (0, 2, 1)
+    engine.spec_payoff.speculate = lambda batch: False  # verify these, propose nothing new
+    engine.step()
+    stats = engine.spec_stats
+    assert stats.steps == 2 and stats.proposed == 3  # a's two guesses, c's one: pads are not
+    while engine.has_unfinished():
+        engine.step()
+    assert [a.output_token_ids, b.output_token_ids] == [o.token_ids for o in plain]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

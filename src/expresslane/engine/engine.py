@@ -286,10 +286,14 @@ class LLMEngine:
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
             req.spec_verifications += 1
-            self.spec_stats.record(len(drafts), appended - 1)
-            self.lane_spec_stats[req.lane].record(len(drafts), appended - 1)
-            acceptance = self.proposers[req.priority].acceptance
-            acceptance.record(req.spec_tallies, req.draft_kind, appended - 1, len(drafts))
+            proposed = len(drafts) - req.draft_padding  # pads are not guesses
+            kept = min(appended - 1, proposed)
+            req.draft_padding = 0
+            if proposed:
+                self.spec_stats.record(proposed, kept)
+                self.lane_spec_stats[req.lane].record(proposed, kept)
+                acceptance = self.proposers[req.priority].acceptance
+                acceptance.record(req.spec_tallies, req.draft_kind, kept, proposed)
         if req.priority in self.proposers:
             rates = self.scheduler.tokens_per_step
             rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended
@@ -316,15 +320,12 @@ class LLMEngine:
                 or (spec.adaptive and not pays)
             ):
                 continue
-            decoding = req.num_computed_tokens == req.num_tokens - 1
-            if not decoding or req.num_output_tokens < req.params.min_tokens:
-                continue
-            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-            if room <= 1:
+            room = self._guess_room(req)
+            if room <= 0:
                 continue
             reqs, lengths = wanted.setdefault(req.priority, ([], []))
             reqs.append(req)
-            lengths.append(min(spec.num_tokens, room - 1))
+            lengths.append(min(spec.num_tokens, room))
         if not wanted:
             return
         size = self._proposal_sizer(running)
@@ -338,9 +339,90 @@ class LLMEngine:
                 guesses = proposal.token_ids[:k]
                 if free and guesses:
                     guesses = guesses[: size(spec, req, proposal.kind, len(guesses))]
-                req.draft_ids = guesses
+                req.draft_ids, req.draft_padding = guesses, 0
                 req.draft_probs = proposal.probs
                 req.draft_kind = proposal.kind
+        self._uniform_guesses(running)
+
+    def _guess_room(self, req: Request) -> int:
+        """How many guesses `req` may verify in the next step (0: none: not decoding, short
+        of min_tokens, or at its token limit)."""
+        if req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        if req.num_output_tokens < req.params.min_tokens:
+            return 0
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        return max(room - 1, 0)
+
+    def _uniform_guesses(self, running: list[Request]) -> None:
+        """Give every decoding request the same number of guesses, so that the step runs as
+        one uniform batch (the native decode step, or one padded attention batch): with mixed
+        lengths the guessing requests go through the prompt-chunk path, which measured slower
+        than not guessing (0.92x at batch 2, 0.59x at batch 8 on the demo model). The common
+        length is the one the step-latency model expects to yield the most tokens per second
+        (before it is fitted: the median, which cuts or pads the fewest guesses). Longer
+        proposals are cut to it; shorter ones are padded with their last token. A pad is
+        verified like any guess (a sampled request's pad has a one-hot q), so it costs rows
+        but leaves the output exact: the same tokens when greedy, the same distribution when
+        sampled. Pads are not counted as guesses."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        lengths = sorted({len(r.draft_ids) for r in decoding})
+        if len(lengths) <= 1:
+            return
+
+        def reachable(req: Request, k: int) -> bool:
+            # pads may run past max_tokens (tokens stop there), not past the model's context;
+            # a request short of min_tokens masks EOS on all its rows alike, so gets none
+            if len(req.draft_ids) >= k:
+                return True
+            return (
+                req.num_output_tokens >= req.params.min_tokens
+                and req.num_tokens + k <= self.max_model_len
+            )
+
+        # lanes with a speed target keep guessing at any batch: their guesses are never cut
+        floor = max((len(r.draft_ids) for r in decoding if self._keeps_guessing(r)), default=0)
+        options = [k for k in lengths if k >= floor and all(reachable(r, k) for r in decoding)]
+        if not options:
+            return
+        costs = self.step_model.cost_line(len(running), sum(r.num_tokens for r in running))
+        if costs is None:  # the fewest guesses cut or pads added: the median length
+            median = sorted(len(r.draft_ids) for r in decoding)[(len(decoding) - 1) // 2]
+            best = min(options, key=lambda k: abs(k - median))
+        else:
+            rates = {id(r): self._acceptance(r) for r in decoding}
+
+            def tokens_per_second(k: int) -> float:
+                tokens = sum(
+                    expected_tokens(rates[id(r)], min(len(r.draft_ids), k)) for r in decoding
+                )
+                return tokens / max(costs(len(decoding) * (k + 1)), 1e-9)
+
+            best = max(options, key=tokens_per_second)
+        for req in decoding:
+            pad = best - len(req.draft_ids)
+            if pad > 0:
+                filler = (req.draft_ids or req.token_ids)[-1]
+                req.draft_ids += [filler] * pad
+                req.draft_padding += pad
+                if req.draft_probs is not None:  # a pad is a certain guess: q is one-hot
+                    q = req.draft_probs[: len(req.draft_ids) - pad]
+                    extra = q.new_zeros(pad, q.shape[1])
+                    extra[:, filler] = 1.0
+                    req.draft_probs = torch.cat([q, extra])
+            else:
+                req.keep_guesses(best)
+
+    def _keeps_guessing(self, req: Request) -> bool:
+        return req.priority in self.proposers and (
+            self.lanes[req.lane].target_tokens_per_s is not None
+        )
+
+    def _acceptance(self, req: Request) -> float:
+        spec = self.proposers.get(req.priority)
+        if spec is None or not req.draft_ids:
+            return 0.0
+        return spec.acceptance.rate(req.spec_tallies, req.draft_kind)
 
     def _proposal_sizer(self, running: list[Request]):
         """size(spec, req, kind, most): how many guesses `req` verifies this step, chosen in

@@ -82,12 +82,19 @@ class Request:
         self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
         self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
         self.draft_kind = 0  # the proposal's kind (spec/proposal.py)
+        self.draft_padding = 0  # filler tokens at the end of draft_ids (engine._uniform_guesses)
         self.spec_tallies: dict[int, Tally] = {}  # its verified guesses per proposal kind
         self.spec_verifications = 0  # steps that verified its guesses
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []
         self.detok = None  # set by the engine's output processor
+
+    def keep_guesses(self, n: int) -> None:
+        """Drop all but the first n guesses (pads, at the end, go first)."""
+        real = len(self.draft_ids) - self.draft_padding
+        del self.draft_ids[n:]
+        self.draft_padding = max(0, len(self.draft_ids) - real)
 
     @property
     def num_tokens(self) -> int:

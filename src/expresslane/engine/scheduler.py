@@ -116,7 +116,7 @@ class Scheduler:
                     n = self._fit(batch, req, n, cap)
                     if n == 0:
                         continue  # capped this step; it keeps its blocks and its turn
-                del req.draft_ids[max(0, n - todo) :]  # guesses beyond the budget are dropped
+                req.keep_guesses(max(0, n - todo))  # guesses beyond the budget are dropped
                 while not self.kv.allocate(req, req.num_computed_tokens + n):
                     out_of_blocks = True
                     victim = self._pick_victim(order, scheduled)
@@ -214,7 +214,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.draft_ids = []
+        req.keep_guesses(0)
         self.kv.release(req)
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
