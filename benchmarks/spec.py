@@ -9,10 +9,12 @@ Modes: plain decoding, n-gram prompt lookup and the bundled draft model, each at
 (requests one at a time, modes interleaved per prompt so machine noise hits all alike; decode
 tokens/s excludes the first token) and at batch 32 (total throughput, all requests at once;
 the modes' runs interleaved over `--batch-rounds`, and the ratio is the median of the
-per-round ratios).
+per-round ratios). Then n-gram speculating at any batch size against plain at the
+`--mid-batches` sizes, the same way: where speculation still pays here.
 Greedy outputs are checked token-identical across modes.
 
     python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 8] [--batch-rounds 5]
+        [--mid-batches 2,4,8]
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="most guesses per step")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-rounds", type=int, default=5, help="interleaved runs per mode")
+    ap.add_argument(
+        "--mid-batches",
+        default="2,4,8",
+        help="batch sizes where n-gram speculating at any batch is timed against plain "
+        "(what spec.DEFAULT_MAX_BATCH rests on); empty: skip",
+    )
     args = ap.parse_args()
     random.seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -137,7 +145,37 @@ def main() -> None:
             **(spec_summary(llm) if m != "plain" else {}),
         }
     print(f"batch {args.batch}: " + ", ".join(f"{m} {v}" for m, v in results["batch"].items()))
+    results["mid_batches"] = mid_batches(loads, args, params)
     print("saved", save_results("spec", results))
+
+
+def mid_batches(loads: dict, args, params: SamplingParams) -> dict:
+    """n-gram with no batch cutoff against plain at small batches: where speculation still
+    pays on this device (the `max_batch` "auto" table)."""
+    out: dict = {}
+    sizes = [int(b) for b in args.mid_batches.split(",") if b]
+    for name, prompts in loads.items():
+        for b in sizes:
+            spec = {"method": "ngram", "num_tokens": args.k, "max_batch": None}
+            llms = {
+                m: LLM(speculative=s, max_batch=b, max_model_len=2048)
+                for m, s in (("plain", None), ("ngram", spec))
+            }
+            for llm in llms.values():
+                llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))
+            runs: dict[str, list[float]] = {m: [] for m in llms}
+            for _ in range(args.batch_rounds):
+                for m, llm in llms.items():
+                    runs[m].append(run_batch(llm, prompts[:b], params)[0])
+            ratios = [s / p for s, p in zip(runs["ngram"], runs["plain"], strict=True)]
+            row = {
+                "plain_tok_s": [round(r, 1) for r in runs["plain"]],
+                "ngram_vs_plain": round(statistics.median(ratios), 3),
+                **spec_summary(llms["ngram"]),
+            }
+            out[f"{name} batch {b}"] = row
+            print(f"{name}, batch {b}: {row}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def test_proposal_length_follows_the_acceptance_rate():
     assert [proposal_length(a, 6) for a in (0.0, 0.3, 0.5, 0.8, 0.9, 0.99)] == [1, 1, 1, 4, 6, 6]
     with pytest.raises(InvalidRequestError, match="unknown speculative setting"):
         make_proposer({"num_tokens": 3, "depth": 2})
-    assert make_proposer({}, "cpu").max_batch == 2
+    assert make_proposer({}, "cpu").max_batch == 4
     assert make_proposer({"max_batch": None}).max_batch is None
 
 
