@@ -169,7 +169,7 @@ def test_sampled_outputs_follow_the_target_distribution(llama_dir, draft_dir, me
 
     plain = sample(plain_llm, 0)
     # one request at a time: in a batch, most sampled requests leave the greedy path that
-    # n-gram guesses follow, and the batch's common guess count (engine._uniform_guesses) is
+    # n-gram guesses follow, and the batch's common guess count (engine/guesses.py) is
     # then mostly 0
     llm = LLM(str(llama_dir), dtype="float32", speculative=spec, max_batch=1)
     speculative = sample(llm, 10_000)
