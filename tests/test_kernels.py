@@ -63,7 +63,7 @@ def _bf16_dot_reference(x, w, b=None):
 
 
 @needs_dot
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17, 25])
 @pytest.mark.parametrize("n, k", [(16, 2), (64, 64), (144, 96), (432, 202)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_dot_linear_matches_reference(m, n, k, bias):
@@ -77,11 +77,11 @@ def test_bf16_dot_linear_rows_do_not_depend_on_the_batch():
     """Every output is one chain of dot products over k in order, in whichever tile and row
     pass it falls: bit-identical alone and batched (speculative verification rows)."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(19, 202, generator=g)  # 202: a tail of 10 values after 6 * 32
+    x = torch.randn(27, 202, generator=g)  # 202: a tail of 10 values after 6 * 32
     w = torch.randn(432, 202, generator=g).bfloat16()  # 27 blocks: partial tiles at every M
     packed = kernels.pack_bf16_dot(w)
-    alone = torch.cat([kernels.bf16_dot_linear(x[i : i + 1], packed, None) for i in range(19)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 16, 19):
+    alone = torch.cat([kernels.bf16_dot_linear(x[i : i + 1], packed, None) for i in range(27)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 19, 25, 27):
         assert torch.equal(kernels.bf16_dot_linear(x[:m], packed, None), alone[:m])
 
 

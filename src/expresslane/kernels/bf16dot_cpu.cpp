@@ -26,7 +26,7 @@ namespace {
 // Accumulators per tile: NB blocks of 16 columns for each of MB rows, within 32 zmm registers.
 template <int MB>
 constexpr int blocks_per_tile() {
-  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : 3;
+  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : MB <= 8 ? 3 : 2;
 }
 
 // Rows m0..m0+MB of x (bf16 pairs as uint32, [M, K2]) against column blocks b0..b0+NB.
@@ -113,9 +113,10 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   at::parallel_for(0, N / 16, 12, [&](int64_t c0, int64_t c1) {
     for (int64_t cc = c0; cc < c1; cc += kChunk) {
       const int64_t ce = std::min(cc + kChunk, c1);
-      // row passes of at most 8, balanced (9 rows: 5 + 4, not 8 + 1: a one-row pass has too
-      // few accumulation chains to keep the dot-product units busy)
-      const int64_t passes = (M + 7) / 8;
+      // row passes of at most 12, balanced (13 rows: 7 + 6, not 12 + 1: a one-row pass has
+      // too few accumulation chains to keep the dot-product units busy). Past 12 rows a
+      // single pass would hold one column block per tile and wait on its broadcasts of x.
+      const int64_t passes = (M + 11) / 12;
       for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
         const int64_t rows = (M - m0 + (passes - pass) - 1) / (passes - pass);
         const uint32_t* xp = xb.data() + m0 * K2;
@@ -129,7 +130,11 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
           case 5: row_block<5>(xp, w, K2, ym, N, cc, ce, b); break;
           case 6: row_block<6>(xp, w, K2, ym, N, cc, ce, b); break;
           case 7: row_block<7>(xp, w, K2, ym, N, cc, ce, b); break;
-          default: row_block<8>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 8: row_block<8>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 9: row_block<9>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 10: row_block<10>(xp, w, K2, ym, N, cc, ce, b); break;
+          case 11: row_block<11>(xp, w, K2, ym, N, cc, ce, b); break;
+          default: row_block<12>(xp, w, K2, ym, N, cc, ce, b); break;
         }
       }
     }
