@@ -16,8 +16,8 @@ from expresslane.spec.proposal import Proposal
 
 # Running batch above which speculation stops paying (verification makes every sequence k+1
 # tokens wide). CPU: measured with n-gram lookup on the demo model (benchmarks/spec.py,
-# `--mid-batches`: max_batch None against plain), edit and complete workloads, three runs:
-# 1.01-1.19x at batch 2, 0.97-1.62x at batch 4, 0.72-1.09x at batch 8. CUDA: the
+# `--mid-batches`: max_batch None against plain), edit and complete workloads, four runs:
+# 0.91-1.19x at batch 2, 0.97-1.62x at batch 4, 0.72-1.11x at batch 8. CUDA: the
 # memory-bound region (not measured here yet). The ultrafast lane speculates at any batch.
 DEFAULT_MAX_BATCH = {"cpu": 4, "cuda": 32}
 
