@@ -108,7 +108,7 @@ class StepLatencyModel:
             return None
         lines = {}
         for name in self.fits:
-            a, b, c, d = (float(v) for v in self._coef(name))
+            a, b, c, d = self._coef(name).tolist()
             lines[name] = (a + b * num_seqs + d * context_tokens / 1024.0, c)
         small, large, limit = lines["small"], lines["large"], self.small_tokens
 

@@ -80,7 +80,9 @@ def make_proposer(
 def expected_tokens(acceptance: float, guesses: int) -> float:
     """Tokens a verification yields when each guess is kept with probability `acceptance`
     until the first miss, plus the target's own: 1 + a + a^2 + ... + a^guesses."""
-    return sum(acceptance**i for i in range(guesses + 1))
+    if acceptance >= 1.0:
+        return guesses + 1.0
+    return (1.0 - acceptance ** (guesses + 1)) / (1.0 - acceptance)
 
 
 def best_length(
@@ -90,11 +92,17 @@ def best_length(
     whole step: `step_seconds(k)` predicts the step's time with k more tokens (from the
     step-latency model, which also times the proposals), `others` the tokens the rest of the
     batch is expected to yield. Where a step costs about the same for 1 or 8 tokens (small
-    models, small batches) this is the most guesses; where tokens cost, fewer."""
-    return max(
-        range(1, max_tokens + 1),
-        key=lambda k: (others + expected_tokens(acceptance, k)) / max(step_seconds(k), 1e-9),
-    )
+    models, small batches) this is the most guesses; where tokens cost, fewer (the fewest of
+    equals). Runs once per request and step, so the sum is kept as k grows."""
+    best, best_rate = 1, -1.0
+    tokens, power = others + 1.0, 1.0
+    for k in range(1, max_tokens + 1):
+        power *= acceptance
+        tokens += power
+        rate = tokens / max(step_seconds(k), 1e-9)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 def proposal_length(acceptance: float, max_tokens: int) -> int:
