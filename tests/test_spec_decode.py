@@ -307,14 +307,14 @@ def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
     vocab = engine.model_config.vocab_size
     a.draft_ids, b.draft_ids, c.draft_ids = [7, 8, 9, 10], [11, 12, 13, 14], [15]
     c.draft_probs = torch.full((1, vocab), 1.0 / vocab)
-    engine.guesses.uniform(engine.scheduler.running)  # not fitted yet: the median, 4
+    engine.guesses.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
     assert a.draft_ids == [7, 8, 9, 10] and b.draft_ids == [11, 12, 13, 14]
     assert c.draft_ids == [15] * 4 and c.draft_padding == 3
     assert c.draft_probs.shape == (4, vocab) and c.draft_probs[1:, 15].tolist() == [1.0] * 3
     b.draft_ids = []
     c.keep_guesses(2)  # a budget cut drops pads first
     assert c.draft_ids == [15, 15] and c.draft_padding == 1
-    engine.guesses.uniform(engine.scheduler.running)  # 4, 0, 2: the median, 2
+    engine.guesses.uniform(engine.scheduler.running, None)  # 4, 0, 2: the median, 2
     assert (a.draft_ids, b.draft_ids, c.draft_ids) == ([7, 8], [b.token_ids[-1]] * 2, [15, 15])
     assert (a.draft_padding, b.draft_padding, c.draft_padding) == (0, 2, 1)
     engine.spec_payoff.speculate = lambda batch: False  # verify these, propose nothing new

@@ -8,6 +8,8 @@ batch. The engine verifies what is planned here (engine.py `_accept`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from expresslane.engine.request import Request
@@ -47,7 +49,7 @@ class GuessPlanner:
             spec = self.proposers.get(req.priority)
             if spec is None:
                 continue
-            if self.lanes[req.lane].target_tokens_per_s is None and (
+            if not self._keeps_guessing(req) and (
                 (spec.max_batch is not None and len(running) > spec.max_batch)
                 or (spec.adaptive and not pays)
             ):
@@ -60,7 +62,8 @@ class GuessPlanner:
             lengths.append(min(spec.num_tokens, room))
         if not wanted:
             return
-        size = self._proposal_sizer(running)
+        costs = self.step_model.cost_line(len(running), sum(r.num_tokens for r in running))
+        size = self._proposal_sizer(running, costs)
         for rank, (reqs, lengths) in wanted.items():
             spec = self.proposers[rank]
             free = spec.proposer.free
@@ -74,7 +77,7 @@ class GuessPlanner:
                 req.draft_ids, req.draft_padding = guesses, 0
                 req.draft_probs = proposal.probs
                 req.draft_kind = proposal.kind
-        self.uniform(running)
+        self.uniform(running, costs)
 
     def room(self, req: Request) -> int:
         """How many guesses `req` may verify in the next step (0: none: not decoding, short
@@ -86,7 +89,7 @@ class GuessPlanner:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         return max(room - 1, 0)
 
-    def uniform(self, running: list[Request]) -> None:
+    def uniform(self, running: list[Request], costs: Callable[[int], float] | None) -> None:
         """Give every decoding request the same number of guesses, so that the step runs as
         one uniform batch (the native decode step, or one padded attention batch): with mixed
         lengths the guessing requests go through the prompt-chunk path, which measured slower
@@ -117,7 +120,6 @@ class GuessPlanner:
         options = [k for k in lengths if k >= floor and all(reachable(r, k) for r in decoding)]
         if not options:
             return
-        costs = self.step_model.cost_line(len(running), sum(r.num_tokens for r in running))
         if costs is None:  # the fewest guesses cut or pads added: the median length
             median = sorted(len(r.draft_ids) for r in decoding)[(len(decoding) - 1) // 2]
             best = min(options, key=lambda k: abs(k - median))
@@ -156,11 +158,10 @@ class GuessPlanner:
             return 0.0
         return spec.acceptance.rate(req.spec_tallies, req.draft_kind)
 
-    def _proposal_sizer(self, running: list[Request]):
+    def _proposal_sizer(self, running: list[Request], costs: Callable[[int], float] | None):
         """size(spec, req, kind, most): how many guesses `req` verifies this step, chosen in
-        turn for the requests of the batch (each choice sees the guesses chosen before it)."""
-        context = sum(r.num_tokens for r in running)
-        costs = self.step_model.cost_line(len(running), context)
+        turn for the requests of the batch (each choice sees the guesses chosen before it).
+        `costs`: the step-latency model's seconds by step tokens (None before it is fitted)."""
         extra, expected = 0, float(len(running))  # guesses so far, tokens the batch yields
 
         def size(spec: SpecConfig, req: Request, kind: int, most: int) -> int:
