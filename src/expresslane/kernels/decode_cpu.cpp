@@ -6,9 +6,9 @@
 // milliseconds per step for a 30-layer model, as much as streaming the weights. This computes
 // what expresslane.models.llama.DecoderLayer + PagedAttention._decode compute (float32
 // activations and KV cache) with the linear layers in the kernels of gemv_cpu.cpp,
-// bf16dot_cpu.cpp or fp4_cpu.cpp and everything else as plain loops (decode_ops.h); attention reads the paged
-// cache in place instead of gathering it (paged_attention.h). The Python code is the
-// reference it is tested against (tests/test_kernels.py).
+// bf16dot_cpu.cpp or fp4_cpu.cpp and everything else as plain loops (decode_ops.h);
+// attention reads the paged cache in place instead of gathering it (paged_attention.h). The
+// Python code is the reference it is tested against (tests/test_kernels.py).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
