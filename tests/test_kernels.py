@@ -371,3 +371,28 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path):
     clear_stale_build_lock(tmp_path)
     assert not lock.exists()
     clear_stale_build_lock(tmp_path)  # nothing to do
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"), [(6, 2, 64), (4, 2, 32), (4, 1, 128), (3, 3, 64)]
+)
+def test_verification_rows_attend_bit_identically_to_decode_rows(heads, kv_heads, d):
+    """A verification's query rows (scored in pairs that share key loads) give exactly what
+    each gives decoded alone: greedy output with speculation depends on it."""
+    g = torch.Generator().manual_seed(d + heads)
+    slots_total = 1024
+    cache = torch.randn(2, kv_heads, slots_total, d, generator=g)
+    for start in (0, 7, 8, 15, 16, 200, 333):
+        for q_len in (1, 2, 3, 5, 9, 13):
+            slots = torch.randperm(slots_total, generator=g)[: start + q_len]
+            q = torch.randn(q_len, heads, d, generator=g)
+            length = start + q_len
+            together = kernels.decode_attention(
+                q, [cache], 0, slots, length, q_len, torch.tensor([start])
+            )
+            for j in range(q_len):
+                alone = kernels.decode_attention(
+                    q[j : j + 1], [cache], 0, slots, length, 1, torch.tensor([start + j])
+                )
+                assert torch.equal(together[j], alone[0]), (start, q_len, j)

@@ -141,6 +141,40 @@ inline void score_rows512(const float* q, const float* const* keys, int64_t n, f
   }
 }
 
+// score_rows512 for two query rows over the same keys, row a over the first na, row b over the
+// first nb >= na (a verification's queries: the next one sees one key more). Each key load
+// feeds both rows (one row's loop is bound by the loads), 8 keys per row at a time: the 16
+// partial vectors go through sum16 together, so every score takes score_rows512's chain and
+// reduction tree and is bit-identical to it.
+template <int D>
+inline void score_pair512(const float* qa, const float* qb, const float* const* keys, int64_t na, int64_t nb,
+                          float scale, float* sa, float* sb) {
+  __m512 qva[D / 16], qvb[D / 16];
+  for (int i = 0; i < D / 16; ++i) {
+    qva[i] = _mm512_loadu_ps(qa + 16 * i);
+    qvb[i] = _mm512_loadu_ps(qb + 16 * i);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t p0 = 0; p0 < nb; p0 += 8) {
+    const int m = static_cast<int>(std::min<int64_t>(8, nb - p0));
+    __m512 acc[16];
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = acc[j + 8] = _mm512_setzero_ps();
+      if (j >= m) continue;
+      const float* k = keys[p0 + j];
+      for (int i = 0; i < D / 16; ++i) {
+        const __m512 kv = _mm512_loadu_ps(k + 16 * i);
+        acc[j] = _mm512_fmadd_ps(qva[i], kv, acc[j]);
+        acc[j + 8] = _mm512_fmadd_ps(qvb[i], kv, acc[j + 8]);
+      }
+    }
+    const __m512 s = _mm512_mul_ps(sum16(acc), sc);
+    const int ma = static_cast<int>(std::clamp<int64_t>(na - p0, 0, 8));
+    _mm256_mask_storeu_ps(sa + p0, static_cast<__mmask8>((1u << ma) - 1), _mm512_castps512_ps256(s));
+    _mm256_mask_storeu_ps(sb + p0, static_cast<__mmask8>((1u << m) - 1), _mm512_extractf32x8_ps(s, 1));
+  }
+}
+
 // out[r][0..D) += sum over p0 <= p < p1 of w[r][p] * values[p] for R rows at once (one load
 // of each value row), accumulated in p order; `resume`: out holds the sums over p < p0, else
 // they start at zero. Each output is the same chain of operations as if computed alone.
@@ -196,6 +230,17 @@ inline void score_rows_any(const float* q, const float* const* keys, int64_t n, 
   for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
 }
 
+// score_rows_any for rows a and b (nb >= na keys), sharing the key loads where a kernel does.
+inline void score_pair_any(const float* qa, const float* qb, const float* const* keys, int64_t na, int64_t nb,
+                           int64_t D, float scale, float* sa, float* sb) {
+#ifdef __AVX512F__
+  if (D == 64) return score_pair512<64>(qa, qb, keys, na, nb, scale, sa, sb);
+  if (D == 32) return score_pair512<32>(qa, qb, keys, na, nb, scale, sa, sb);
+#endif
+  score_rows_any(qa, keys, na, D, scale, sa);
+  score_rows_any(qb, keys, nb, D, scale, sb);
+}
+
 inline void weigh_rows_any(const float* w, const float* const* values, int64_t n, int64_t D, float* out) {
   if (D == 64) return weigh_rows<64>(w, values, n, out);
   if (D == 32) return weigh_rows<32>(w, values, n, out);
@@ -218,9 +263,10 @@ inline void weigh_group_any(const float* const* w, const float* const* values, c
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
 // floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
 // 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
-// Each (sequence, kv head) pair's G * Q query rows are the inner work: each row is scored
-// against the key rows it sees with the query in registers, then softmax, then the rows weigh
-// the value rows in groups that share each value load (weigh_group_any). Compressed caches are
+// Each (sequence, kv head) pair's G * Q query rows are the inner work: rows are scored in
+// pairs against the key rows they see, the queries in registers and each key load shared
+// (score_pair_any), then softmax, then the rows weigh the value rows in groups that share each
+// value load (weigh_group_any). Compressed caches are
 // expanded once per pair.
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
                      int64_t L, const int64_t* slots, const int64_t* starts) {
@@ -229,8 +275,8 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   const int64_t work = std::max<int64_t>(1, L * rows * D);
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
     std::vector<float> scores(rows * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
-    std::vector<const float*> keys(L), values(L), weights(rows);
-    std::vector<float*> outs(rows);
+    std::vector<const float*> keys(L), values(L), queries(rows);
+    std::vector<float*> weights(rows), outs(rows);
     std::vector<int64_t> seen_by(rows);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv;
@@ -243,18 +289,22 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
         values[pos] = c.row(1, h, seq[pos], vbuf);
       }
       for (int64_t j = 0; j < Q; ++j) {
-        const int64_t n = std::min(seen, starts[b] + j + 1);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * G + g;
-          const float* qr = q + (b * Q + j) * q_stride + (h * G + g) * D;
-          float* sr = scores.data() + r * L;
-          score_rows_any(qr, keys.data(), n, D, scale, sr);
-          ops::softmax(sr, n);
-          weights[r] = sr;
-          seen_by[r] = n;
+          queries[r] = q + (b * Q + j) * q_stride + (h * G + g) * D;
+          weights[r] = scores.data() + r * L;
+          seen_by[r] = std::min(seen, starts[b] + j + 1);
           outs[r] = out + (b * Q + j) * H * D + (h * G + g) * D;
         }
       }
+      for (int64_t r = 0; r < rows; r += 2) {
+        if (r + 1 < rows)
+          score_pair_any(queries[r], queries[r + 1], keys.data(), seen_by[r], seen_by[r + 1], D, scale, weights[r],
+                         weights[r + 1]);
+        else
+          score_rows_any(queries[r], keys.data(), seen_by[r], D, scale, weights[r]);
+      }
+      for (int64_t r = 0; r < rows; ++r) ops::softmax(weights[r], seen_by[r]);
       weigh_group_any(weights.data(), values.data(), seen_by.data(), D, outs.data(), static_cast<int>(rows));
     }
   });
