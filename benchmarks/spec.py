@@ -15,7 +15,7 @@ speculating at any batch size against plain at the `--mid-batches` sizes, the sa
 speculation still pays here.
 Greedy outputs are checked token-identical across modes.
 
-    python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 8] [--batch1-rounds 3]
+    python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 12] [--batch1-rounds 3]
         [--batch-rounds 5] [--mid-batches 2,4,8]
 """
 
@@ -91,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=8, help="most guesses per step")
+    ap.add_argument("--k", type=int, default=12, help="most guesses per step")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument(
         "--batch1-rounds", type=int, default=3, help="passes over the prompts at batch 1"

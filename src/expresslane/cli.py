@@ -37,7 +37,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPEC",
         help="speculative decoding for every lane that sets none: ngram, draft, or a TOML table "
-        'such as \'{method="draft", model="DIR", num_tokens=8}\' (ultrafast uses ngram '
+        'such as \'{method="draft", model="DIR", num_tokens=12}\' (ultrafast uses ngram '
         "unless told otherwise)",
     )
     p.add_argument(

@@ -40,7 +40,7 @@ DEFAULT_LANES = {
         max_batch=4,
         price_multiplier=6.0,
         target_tokens_per_s="auto",
-        speculative={"method": "ngram", "num_tokens": 8},
+        speculative={"method": "ngram", "num_tokens": 12},
     ),
     "default": Lane("default", 1, max_batch=64, price_multiplier=1.0),
     "flex": Lane("flex", 2, max_batch=64, price_multiplier=0.5, preemptible=True),

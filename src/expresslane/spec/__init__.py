@@ -62,7 +62,7 @@ def make_proposer(
             f"unknown speculative setting(s) {unknown}; known: {sorted(known)}"
         )
     method = spec.get("method", "ngram")
-    k = int(spec.get("num_tokens", 8))
+    k = int(spec.get("num_tokens", 12))
     if k < 1:
         raise InvalidRequestError("speculative num_tokens must be at least 1")
     max_batch = spec.get("max_batch", "auto")
