@@ -151,16 +151,19 @@ class DecodeStack {
     head_ = {lm_head, c10::nullopt, fp4_block, fp4_scale_kind};
   }
 
+  // Restrict `greedy`'s guesses to the tokens `ids` (int64 [V']): lm_head_rows is the
+  // output head's weight for those rows only, as set_head's lm_head. A draft's head reads
+  // V' rows instead of the whole vocabulary's; the guesses are the argmax over `ids`.
+  void set_greedy_vocab(std::vector<torch::Tensor> lm_head_rows, torch::Tensor ids) {
+    greedy_ids_ = ids.to(torch::kInt64).contiguous();
+    greedy_head_ = {lm_head_rows, c10::nullopt, 0, 0};
+  }
+
   // Logits of rows `rows` of the last layer's output h (all rows if none): final norm and
   // output head, as LlamaModel.forward's norm + lm_head. Normalizes h's rows in place.
   torch::Tensor logits(torch::Tensor h, c10::optional<torch::Tensor> rows) {
     TORCH_CHECK(embed_.defined(), "set_head first");
-    auto x = rows.has_value() ? h.index_select(0, *rows) : h.contiguous();
-    for (int64_t t = 0; t < x.size(0); ++t) {
-      float* r = x.data_ptr<float>() + t * x.size(1);
-      ops::rms_norm(r, norm_.data_ptr<float>(), r, x.size(1), eps);
-    }
-    return head_(x);
+    return head_(final_norm(rows.has_value() ? h.index_select(0, *rows) : h.contiguous()));
   }
 
   // `steps` greedy tokens for each of B sequences without returning to Python (a draft
@@ -230,8 +233,23 @@ class DecodeStack {
       }
     auto h = forward(x, c, s, slot_out, slots, L, Q, starts);
     auto last = Q == 1 ? h : h.view({B, Q, -1}).select(1, Q - 1).contiguous();
+    if (greedy_ids_.defined()) {
+      auto next = argmax_rows(greedy_head_(final_norm(last.contiguous())));
+      const int64_t* ids = greedy_ids_.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) out[b * out_stride] = ids[next.data_ptr<int64_t>()[b]];
+      return;
+    }
     auto next = argmax_rows(logits(last, c10::nullopt).narrow(1, 0, vocab));
     for (int64_t b = 0; b < B; ++b) out[b * out_stride] = next.data_ptr<int64_t>()[b];
+  }
+
+  // The final norm, in place on x's rows (contiguous float32 [T, hidden]).
+  torch::Tensor final_norm(torch::Tensor x) const {
+    for (int64_t t = 0; t < x.size(0); ++t) {
+      float* r = x.data_ptr<float>() + t * x.size(1);
+      ops::rms_norm(r, norm_.data_ptr<float>(), r, x.size(1), eps);
+    }
+    return x;
   }
 
   void embed_row(int64_t token, float* dst) const {
@@ -298,6 +316,8 @@ class DecodeStack {
   std::vector<Layer> layers;
   torch::Tensor embed_, norm_;
   Linear head_;
+  Linear greedy_head_;  // set_greedy_vocab's rows of head_, and their token ids
+  torch::Tensor greedy_ids_;
 };
 
 // The decode attention alone, for batches the Python layers run (models/attention.py):
@@ -327,5 +347,6 @@ void register_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward)
       .def("set_head", &DecodeStack::set_head)
       .def("logits", &DecodeStack::logits)
+      .def("set_greedy_vocab", &DecodeStack::set_greedy_vocab)
       .def("greedy", &DecodeStack::greedy);
 }

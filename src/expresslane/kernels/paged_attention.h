@@ -263,11 +263,10 @@ inline void weigh_group_any(const float* const* w, const float* const* values, c
 // Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
 // floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
 // 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
-// Each (sequence, kv head) pair's G * Q query rows are the inner work: rows are scored in
-// pairs against the key rows they see, the queries in registers and each key load shared
+// Each (sequence, kv head)'s G * Q query rows are the inner work: rows are scored two at a
+// time against the key rows they see, the queries in registers and each key load shared
 // (score_pair_any), then softmax, then the rows weigh the value rows in groups that share each
-// value load (weigh_group_any). Compressed caches are
-// expanded once per pair.
+// value load (weigh_group_any). Compressed caches are expanded once per (sequence, kv head).
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
                      int64_t L, const int64_t* slots, const int64_t* starts) {
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;

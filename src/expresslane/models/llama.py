@@ -129,6 +129,15 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.norm(x)).float()
 
+    def set_greedy_vocab(
+        self, head_rows: torch.Tensor, ids: torch.Tensor, compute_dtype: torch.dtype
+    ) -> None:
+        """`greedy` picks among the tokens `ids` only (sorted), scoring them with
+        `head_rows`, the output head's weight rows for those tokens. Needs `native_head`."""
+        head = make_linear(head_rows)
+        head.prepare_cpu(compute_dtype)
+        self.decode_stack.set_greedy_vocab(head.kernel_weights(), ids)
+
     @torch.inference_mode()
     def greedy(self, unseen: list[list[int]], starts: list[int], slots: torch.Tensor, steps: int):
         """`steps` greedy tokens per sequence in one native call (a draft model's proposals).

@@ -7,10 +7,17 @@ request: its KV stays valid for the tokens the target accepted and is trimmed pa
 the draft catches up on the tokens it has not seen (the whole prompt the first time, usually
 one or two tokens after that) and guesses. A preempted request keeps its draft KV, since
 preemption drops only the target's.
+
+A draft folder may hold `draft_vocab.json` ({"token_ids": [...]}): greedy guesses are then
+picked among those tokens only (the ones the target is seen to write), so the draft's output
+head reads that many rows instead of the whole vocabulary's; the bundled draft keeps 4,096 of
+8,192 (scripts/distill_draft.py writes the file). Any guess is verified exactly, so this only
+changes which guesses are made. Sampled requests draw from the draft's full distribution.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -22,6 +29,7 @@ from expresslane.engine.runner import ModelRunner
 from expresslane.engine.sampler import greedy_tokens
 from expresslane.errors import ModelLoadError
 from expresslane.models import load_model
+from expresslane.models.loader import read_checkpoint
 from expresslane.sampling_params import SamplingParams
 from expresslane.spec.proposal import Proposal
 
@@ -29,6 +37,7 @@ log = logging.getLogger("expresslane.spec")
 
 _SEED_SALT = 0x5BD1E995  # the draft's draws must not repeat the target's verification draws
 NATIVE_CATCH_UP = 64  # unseen tokens the native loop takes; more go through a prompt chunk
+GREEDY_VOCAB_FILE = "draft_vocab.json"
 
 
 class Shadow(Request):
@@ -70,6 +79,26 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
         self.runner = ModelRunner(self.model, self.cfg, num_blocks, block_size, dtype, device, seed)
         self.seqs: dict[str, Shadow] = {}
+        self.greedy_vocab = self._load_greedy_vocab(Path(model_dir), dtype)
+
+    def _load_greedy_vocab(self, model_dir: Path, dtype: torch.dtype) -> torch.Tensor | None:
+        """The token ids greedy guesses are picked among (GREEDY_VOCAB_FILE), or None: all."""
+        path = model_dir / GREEDY_VOCAB_FILE
+        if not path.is_file():
+            return None
+        try:
+            ids = sorted(set(json.loads(path.read_text())["token_ids"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f'{path}: expected {{"token_ids": [ints]}} ({e})') from e
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in ids):
+            raise ModelLoadError(f"{path}: token ids must be in [0, {self.cfg.vocab_size})")
+        vocab = torch.tensor(ids)
+        if self.model.native_head:
+            raw = read_checkpoint(model_dir)
+            tied = self.cfg.tie_word_embeddings
+            head = raw["model.embed_tokens.weight" if tied else "lm_head.weight"]
+            self.model.set_greedy_vocab(head[vocab].to(torch.bfloat16), vocab, dtype)
+        return vocab
 
     def release(self, request_id: str) -> None:
         shadow = self.seqs.pop(request_id, None)
@@ -145,7 +174,10 @@ class DraftModelProposer:
         if self.cfg.vocab_size < self.vocab:  # tokens the draft cannot propose
             pad = logits.new_full((logits.shape[0], self.vocab - self.cfg.vocab_size), -torch.inf)
             logits = torch.cat([logits, pad], dim=1)
-        tokens = greedy_tokens(logits)
+        if self.greedy_vocab is None:
+            tokens = greedy_tokens(logits)
+        else:  # as the native loop: the argmax among the greedy vocabulary
+            tokens = self.greedy_vocab[greedy_tokens(logits.index_select(1, self.greedy_vocab))]
         sampled = [row for row, i in enumerate(order) if not greedy[i]]
         if not sampled:
             return tokens.tolist(), None
