@@ -6,8 +6,9 @@ greedy continuations of train-split prompts and fine-tunes the draft to predict 
 
 1. Prompts, from the train files only (the held-out ones stay unseen): headers of short
    functions (signature + docstring, as the `complete` workload of benchmarks/spec.py),
-   windows of code files cut at a line end, and edits (a function, then its first line again
-   under a new name, as the `edit` workload). `--prompts N` of them, mixed 50/30/20.
+   windows of code files cut at a line end, edits (a function, then its first line again
+   under a new name, as the `edit` workload) and chats of the training mix (instructions,
+   tool use) cut before an assistant turn. `--prompts N` of them, mixed 40/25/15/20.
 2. The target continues each greedily (expresslane's engine, batched), up to `--max-tokens`.
 3. The draft (transformers LlamaForCausalLM, starting from its shipped weights) trains on
    prompt + continuation: cross-entropy on the target's tokens, plus `--prompt-weight` times the
@@ -49,31 +50,53 @@ from expresslane.demo import DRAFT_DIR, TARGET_DIR, demo_model_dir  # noqa: E402
 
 
 def train_prompts(n: int, seed: int) -> list[str]:
+    """n prompts from the train files: 40% function headers, 25% code windows, 15% edits,
+    20% chats (a conversation of the training mix, instructions or tool use, cut before one
+    of its assistant turns and rendered with the chat template)."""
+    from transformers import AutoTokenizer
+
     root = T.stdlib_root()
     train, _, _ = T.split_files(T.list_corpus(root))
     sources = T.read_sources(root, train)
     rng = random.Random(f"{seed}-distill")
     functions = E.pick_functions(sources, 10**9, seed)
-    headers = [fn["header"] for fn in functions]
+    counts = {"header": 4 * n // 10, "window": n // 4, "edit": 15 * n // 100}
+    counts["chat"] = n - sum(counts.values())
+    headers = [fn["header"] for fn in functions[: counts["header"]]]
     edits = [
-        f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}" for src, renamed in E.edit_pairs(functions, n)
+        f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}"
+        for src, renamed in E.edit_pairs(functions, counts["edit"])
     ]
     files = sorted(sources)
     windows = []
-    while len(windows) < n:
+    while len(windows) < counts["window"]:
         lines = sources[rng.choice(files)].splitlines(keepends=True)
         if len(lines) < 20:
             continue
         start = rng.randrange(len(lines) - 10)
         windows.append("".join(lines[start : start + rng.randint(8, 40)]))
-    mix = headers[: n // 2] + windows[: 3 * n // 10] + edits[: n - n // 2 - 3 * n // 10]
+    factory = T.ExampleFactory(sources)
+    tok = AutoTokenizer.from_pretrained(demo_model_dir(TARGET_DIR))
+    chats = []
+    while len(chats) < counts["chat"]:
+        messages, tools = factory.instruct(rng) if rng.random() < 0.4 else factory.tool_use(rng)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        cut = rng.choice(turns)
+        chats.append(
+            tok.apply_chat_template(
+                messages[:cut], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        )
+    mix = headers + windows + edits + chats
     rng.shuffle(mix)
     return mix
 
 
 def target_continuations(prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The target's greedy continuation of each prompt that fits its context with them."""
     llm = LLM(demo_model_dir(TARGET_DIR), max_batch=64, max_model_len=2048)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    prompts = [p for p in prompts if len(llm.tokenizer.encode(p)) + max_tokens <= 2048]
     pairs = []
     for i in range(0, len(prompts), 256):
         for prompt, out in zip(prompts[i : i + 256], llm.generate(prompts[i : i + 256], params)):
