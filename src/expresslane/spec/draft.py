@@ -94,10 +94,13 @@ class DraftModelProposer:
             raise ModelLoadError(f"{path}: token ids must be in [0, {self.cfg.vocab_size})")
         vocab = torch.tensor(ids)
         if self.model.native_head:
-            raw = read_checkpoint(model_dir)
             tied = self.cfg.tie_word_embeddings
-            head = raw["model.embed_tokens.weight" if tied else "lm_head.weight"]
-            self.model.set_greedy_vocab(head[vocab].to(torch.bfloat16), vocab, dtype)
+            head = read_checkpoint(model_dir).get(
+                "model.embed_tokens.weight" if tied else "lm_head.weight"
+            )
+            if isinstance(head, torch.Tensor) and head.is_floating_point():  # not FP4 codes
+                # the native head's kernel reads bf16 rows (as the draft's bf16 linears)
+                self.model.set_greedy_vocab(head[vocab].to(torch.bfloat16), vocab, dtype)
         return vocab
 
     def release(self, request_id: str) -> None:
