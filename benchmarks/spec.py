@@ -39,12 +39,8 @@ from expresslane.spec.stats import SpecStats  # noqa: E402
 
 def workloads(n: int, seed: int = 0) -> dict[str, list[str]]:
     functions = E.pick_functions(E.heldout_sources(), 4 * n, seed)
-    # the source, then the renamed version's first line (no bare newline: see BENCHMARKS.md)
-    edit = [
-        f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}" for src, renamed in E.edit_pairs(functions, n)
-    ]
     complete = [fn["header"] for fn in functions[:n]]
-    return {"edit": edit, "complete": complete}
+    return {"edit": E.edit_prompts(functions, n), "complete": complete}
 
 
 def modes(k: int) -> dict[str, dict | None]:

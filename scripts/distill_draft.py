@@ -63,10 +63,7 @@ def train_prompts(n: int, seed: int) -> list[str]:
     counts = {"header": 4 * n // 10, "window": n // 4, "edit": 15 * n // 100}
     counts["chat"] = n - sum(counts.values())
     headers = [fn["header"] for fn in functions[: counts["header"]]]
-    edits = [
-        f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}"
-        for src, renamed in E.edit_pairs(functions, counts["edit"])
-    ]
+    edits = E.edit_prompts(functions, counts["edit"])
     files = sorted(sources)
     windows = []
     while len(windows) < counts["window"]:
@@ -94,14 +91,16 @@ def train_prompts(n: int, seed: int) -> list[str]:
 
 def target_continuations(prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The target's greedy continuation of each prompt that fits its context with them."""
-    llm = LLM(demo_model_dir(TARGET_DIR), max_batch=64, max_model_len=2048)
+    llm = LLM(demo_model_dir(TARGET_DIR), max_batch=64, max_model_len=T.MAX_POSITIONS)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    prompts = [p for p in prompts if len(llm.tokenizer.encode(p)) + max_tokens <= 2048]
+    encoded = [llm.tokenizer.encode(p) for p in prompts]
+    fits = [ids for ids in encoded if len(ids) + max_tokens <= T.MAX_POSITIONS]
     pairs = []
-    for i in range(0, len(prompts), 256):
-        for prompt, out in zip(prompts[i : i + 256], llm.generate(prompts[i : i + 256], params)):
-            pairs.append((llm.tokenizer.encode(prompt), list(out.token_ids)))
-        print(f"  generated {len(pairs)}/{len(prompts)}", flush=True)
+    for i in range(0, len(fits), 256):
+        chunk = fits[i : i + 256]
+        for ids, out in zip(chunk, llm.generate(chunk, params), strict=True):
+            pairs.append((ids, list(out.token_ids)))
+        print(f"  generated {len(pairs)}/{len(fits)}", flush=True)
     return pairs
 
 

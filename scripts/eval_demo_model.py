@@ -110,6 +110,13 @@ def edit_pairs(functions: list[dict], n: int) -> list[tuple[str, str]]:
     ]
 
 
+def edit_prompts(functions: list[dict], n: int) -> list[str]:
+    """benchmarks/spec.py's edit prompts: a function's source, then the first line of its
+    renamed version (no bare newline after it: see BENCHMARKS.md), for edit_pairs' functions."""
+    pairs = edit_pairs(functions, n)
+    return [f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}" for src, renamed in pairs]
+
+
 def dedent_cut(text: str) -> tuple[str, bool]:
     """Cut ``text`` (which starts a new line) at the first non-empty line with no indentation."""
     m = re.search(r"\n(?=[^\s])", "\n" + text)

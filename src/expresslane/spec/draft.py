@@ -94,10 +94,9 @@ class DraftModelProposer:
             raise ModelLoadError(f"{path}: token ids must be in [0, {self.cfg.vocab_size})")
         vocab = torch.tensor(ids)
         if self.model.native_head:
+            # a tied head is the embeddings, already loaded; an untied one is read again
             tied = self.cfg.tie_word_embeddings
-            head = read_checkpoint(model_dir).get(
-                "model.embed_tokens.weight" if tied else "lm_head.weight"
-            )
+            head = self.model.embed if tied else read_checkpoint(model_dir).get("lm_head.weight")
             if isinstance(head, torch.Tensor) and head.is_floating_point():  # not FP4 codes
                 # the native head's kernel reads bf16 rows (as the draft's bf16 linears)
                 self.model.set_greedy_vocab(head[vocab].to(torch.bfloat16), vocab, dtype)
