@@ -109,6 +109,12 @@ def llama_dir(checkpoints) -> Path:
     return checkpoints["llama"]
 
 
+@pytest.fixture(scope="session")
+def llama_bf16_dir(llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama in bf16: on CPU its every step runs the native kernels."""
+    return bf16_copy(llama_dir, tmp_path_factory.mktemp("bf16") / "llama")
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()

@@ -38,6 +38,24 @@ def test_stress_small_kv_pool_preempts_and_matches_solo(llama_dir, llm):
     assert not small.engine.requests
 
 
+def test_bf16_greedy_tokens_do_not_depend_on_the_batch(llama_bf16_dir):
+    """With bf16 weights on a CPU with AVX-512 BF16 every step runs the native kernels, whose
+    rows are computed alike whatever else is in the step: a prompt's greedy tokens are the
+    same decoded alone as in a batch of 32, with its prompt cut into chunks beside other
+    sequences' decodes, and after a prefix that another request left in the cache."""
+    alone_llm = LLM(str(llama_bf16_dir), max_batch=1, enable_prefix_caching=False)
+    if not alone_llm.engine.model.native_all:
+        pytest.skip("row-invariant steps need the AVX-512 BF16 kernels")
+    prompts = random_prompts(40, 4, 90, seed=9)
+    prompts += [prompts[0][:48] + p for p in prompts[1:9]]  # the first prompt's prefix, cached
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    alone = [alone_llm.generate(p, params)[0].token_ids for p in prompts]
+    batched = LLM(str(llama_bf16_dir), max_batch=32, max_num_batched_tokens=40)
+    outs = batched.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.num_cached_tokens for o in outs) >= 8 * 32  # prefix hits happened
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     p = random_prompts(1, 10, 11, seed=3)[0]
     sp = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)

@@ -98,22 +98,26 @@ def test_bf16_dot_linear_rejects_what_it_cannot_take():
 
 
 @needs_kernels
-def test_linear_uses_the_kernel_for_small_batches_only():
+def test_linear_runs_the_kernels_on_bf16_weights():
+    """With AVX-512 BF16 every batch runs the dot-product kernel, and a row's result does
+    not depend on the rows beside it; without, small batches run the row kernel."""
     w = torch.randn(96, 64).bfloat16()
     lin = Linear(w.clone(), torch.randn(96))
     bias = lin.bias.data.clone()
     lin.prepare_cpu(torch.float32)
     assert lin._bf16_kernel is not None
     dot = kernels.bf16_dot_available()  # then x is rounded to bf16
+    assert lin.row_invariant == dot
     assert lin.kernel_weights()[0].dim() == (3 if dot else 2)
     for m in (1, Linear.SMALL_BATCH):
         x = torch.randn(m, 64)
         ref = _bf16_dot_reference(x, w, bias) if dot else F.linear(x, w.float(), bias)
         torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
-    x = torch.randn(Linear.SMALL_BATCH + 5, 64)
-    if lin._packed_bf16:  # oneDNN's bf16 matmul: x rounded to bf16, float32 sums, bf16 out
-        ref = F.linear(x.bfloat16().float(), w.float()).bfloat16().float() + bias
-        torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-2)
+    x = torch.randn(Linear.SMALL_BATCH + 300, 64)
+    if dot:
+        torch.testing.assert_close(lin(x), _bf16_dot_reference(x, w, bias), atol=1e-4, rtol=1e-4)
+        for rows in (slice(0, 1), slice(5, 22), slice(100, 316)):
+            assert torch.equal(lin(x[rows]), lin(x)[rows])
     else:
         torch.testing.assert_close(lin(x), F.linear(x, w.float(), bias), atol=1e-4, rtol=1e-4)
 
@@ -284,7 +288,7 @@ def test_native_decode_step_matches_the_python_layers(
             meta.slot_mapping,
             meta.decode_slots,
             meta.decode_ctx,
-            q_len,
+            torch.full((len(seqs),), q_len),
             meta.decode_starts,
         )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)

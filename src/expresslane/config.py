@@ -79,9 +79,10 @@ class EngineConfig:
         # On CPU, a bf16 checkpoint computes in float32 and keeps its bf16 linear weights:
         # decode batches run the native step, which reads the bf16 bytes and sums in float32
         # (with AVX-512 BF16, products of bf16-rounded activations): 141 against 69 tok/s
-        # for bf16 compute at batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M); larger matmuls
-        # run oneDNN (see `Linear.prepare_cpu`). A half dtype without kernels computes in
-        # float32 only where its matmuls are slow (no AVX-512).
+        # for bf16 compute at batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M); there every step
+        # runs the native kernels, elsewhere larger matmuls run oneDNN (`Linear.prepare_cpu`).
+        # A half dtype without kernels computes in float32 only where its matmuls are slow
+        # (no AVX-512).
         upcast = self.dtype == "auto" and device.type == "cpu" and dtype != torch.float32
         if upcast and (
             (dtype == torch.bfloat16 and cpu_kernels() is not None)

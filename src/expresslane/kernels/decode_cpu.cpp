@@ -1,5 +1,5 @@
-// The decode step of the Llama-family model (a batch of sequences with Q new tokens each) as
-// one C++ call.
+// A step of the Llama-family model (decodes, speculative verifications and, where the linears
+// are row-invariant, prompt chunks) as one C++ call.
 //
 // At decode batch sizes a layer is ~45 small tensor operations; issued from Python, or as ATen
 // ops from here, each pays dispatch and allocation overhead that adds up to several
@@ -102,16 +102,21 @@ class DecodeStack {
     layers.push_back(l);
   }
 
-  // x: [B*Q, hidden] float32 (Q tokens per sequence: 1, or a speculative verification);
-  // cos/sin_signed: [B*Q, 1, D]; slot_mapping: [B*Q] where each token's K/V goes;
-  // decode_slots: [B*L] the slots of positions 0..L-1 of each sequence (padded);
-  // starts: [B] tokens already cached per sequence: query j of sequence b sees positions
-  // 0..starts[b]+j.
+  // One step of B sequences: x: [T, hidden] float32, sequence b's q_lens[b] tokens in
+  // consecutive rows (1 for a decode, k+1 for a speculative verification, a prompt chunk);
+  // cos/sin_signed: [T, 1, D]; slot_mapping: [T] where each token's K/V goes; decode_slots:
+  // [B*L] the slots of positions 0..L-1 of each sequence (padded); starts: [B] tokens already
+  // cached per sequence: token j of sequence b sits at position starts[b]+j and sees
+  // positions 0..starts[b]+j. Every row goes through the same operations whatever else is in
+  // the step (the dot-product linears and the attention are row-invariant), so a sequence's
+  // tokens do not depend on the batch it ran in.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor decode_slots, int64_t L, int64_t Q, torch::Tensor starts) {
+                        torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32, "float32 activations");
-    const int64_t T = x.size(0), B = T / Q, hidden = x.size(1);
-    TORCH_CHECK(T == B * Q && starts.numel() == B && decode_slots.numel() == B * L, "batch shapes");
+    auto lens = q_lens.to(torch::kInt64).contiguous();
+    const int64_t T = x.size(0), B = lens.numel(), hidden = x.size(1);
+    TORCH_CHECK(lens.sum().item<int64_t>() == T && starts.numel() == B && decode_slots.numel() == B * L,
+                "batch shapes: q_lens sum to the rows, starts [B], decode_slots [B*L]");
     x = x.contiguous().clone();
     cos = cos.contiguous();
     sin = sin.contiguous();
@@ -125,19 +130,21 @@ class DecodeStack {
     float* hp = h.data_ptr<float>();
     float* actp = act.data_ptr<float>();
     for (const Layer& l : layers) {
-      for (int64_t t = 0; t < T; ++t)
+      each_row(T, [&](int64_t t) {
         ops::rms_norm(xp + t * hidden, l.input_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
+      });
       auto qkv = l.qkv(h);
       prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
       write_kv(l.cache, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
-      paged_attention(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B, Q, L,
-                      slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
+      paged_attention(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B,
+                      lens.data_ptr<int64_t>(), L, slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
       ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
-      for (int64_t t = 0; t < T; ++t)
+      each_row(T, [&](int64_t t) {
         ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
+      });
       auto gu = l.gate_up(h);
       const float* gup = gu.data_ptr<float>();
-      for (int64_t t = 0; t < T; ++t) ops::silu_mul(gup + t * 2 * F, gup + t * 2 * F + F, actp + t * F, F);
+      each_row(T, [&](int64_t t) { ops::silu_mul(gup + t * 2 * F, gup + t * 2 * F + F, actp + t * F, F); });
       ops::add_inplace(xp, l.down(act).data_ptr<float>(), T * hidden);
     }
     return x;
@@ -231,7 +238,7 @@ class DecodeStack {
         std::memcpy(s.data_ptr<float>() + t * D, sin.data_ptr<float>() + position * D, D * sizeof(float));
         slot_out.data_ptr<int64_t>()[t] = sl[b * L + position];
       }
-    auto h = forward(x, c, s, slot_out, slots, L, Q, starts);
+    auto h = forward(x, c, s, slot_out, slots, L, torch::full({B}, Q, starts.options()), starts);
     auto last = Q == 1 ? h : h.view({B, Q, -1}).select(1, Q - 1).contiguous();
     if (greedy_ids_.defined()) {
       auto next = argmax_rows(greedy_head_(final_norm(last.contiguous())));
@@ -266,15 +273,25 @@ class DecodeStack {
 
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
 
+  // f(t) for rows 0..T-1: in this thread at decode sizes, across threads for prompt chunks
+  // (each row's result is the same either way).
+  template <typename Fn>
+  static void each_row(int64_t T, const Fn& f) {
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) f(t);
+    });
+  }
+
   // q/k norms (Qwen3) and RoPE, in place on the fused projection's q and k heads.
   void prepare_qk(const Layer& l, float* qkv, int64_t T, const float* cos, const float* sin) const {
-    for (int64_t t = 0; t < T; ++t)
+    each_row(T, [&](int64_t t) {
       for (int64_t head = 0; head < H + Hkv; ++head) {
         float* v = qkv + t * qkv_width() + head * D;
         if (l.q_norm.defined())
           ops::rms_norm(v, (head < H ? l.q_norm : l.k_norm).data_ptr<float>(), v, D, eps);
         ops::rope(v, cos + t * D, sin + t * D, D);
       }
+    });
   }
 
   void write_kv(const PagedKV& c, const float* qkv, int64_t T, const int64_t* slots) const {
@@ -333,8 +350,9 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
   auto seq_starts = starts.to(torch::kInt64).contiguous();
   TORCH_CHECK(slots.numel() == B * L && seq_starts.numel() == B, "slots [B*L], starts [B]");
   auto out = torch::empty({T, H * D}, q.options());
-  paged_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, Q, L, slots.data_ptr<int64_t>(),
-                  seq_starts.data_ptr<int64_t>());
+  const std::vector<int64_t> q_lens(B, Q);
+  paged_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, q_lens.data(), L,
+                  slots.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
   return out;
 }
 

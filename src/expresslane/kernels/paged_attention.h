@@ -1,6 +1,6 @@
-// Decode attention over the paged KV cache, read in place (plain, FP8 or FP4 blocks): used by
-// the native decode step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers at
-// larger batches. Tested against models/attention.py's gather + matmul path.
+// Attention over the paged KV cache, read in place (plain, FP8 or FP4 blocks): used by the
+// native step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers' decodes.
+// Tested against models/attention.py's gather + matmul path.
 #pragma once
 #include <torch/extension.h>
 
@@ -260,40 +260,59 @@ inline void weigh_group_any(const float* const* w, const float* const* values, c
   for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n[r], D, out[r]);
 }
 
-// Decode attention over the paged cache, read in place. q: [B*Q, H, D] rows `q_stride`
-// floats apart (Q tokens per sequence); out: [B*Q, H*D]; slots: [B*L] the slots of positions
-// 0..L-1 of each sequence (padded); query j of sequence b sees positions 0..starts[b]+j.
-// Each (sequence, kv head)'s G * Q query rows are the inner work: rows are scored two at a
-// time against the key rows they see, the queries in registers and each key load shared
-// (score_pair_any), then softmax, then the rows weigh the value rows in groups that share each
-// value load (weigh_group_any). Compressed caches are expanded once per (sequence, kv head).
-inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B, int64_t Q,
-                     int64_t L, const int64_t* slots, const int64_t* starts) {
-  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv, rows = Q * G;
+// Attention over the paged cache, read in place, for B sequences with q_lens[b] new tokens
+// each (1 for a decode, k+1 for a speculative verification, a prompt chunk's length), their
+// rows consecutive in q ([T, H, D], rows `q_stride` floats apart) and out ([T, H*D]); slots:
+// [B*L] the slots of positions 0..L-1 of each sequence (padded); query j of sequence b sees
+// positions 0..starts[b]+j. The work is split into (sequence, kv head, up to kBlock query
+// positions) items, each run by one thread: the G query heads of those positions are scored
+// two rows at a time against the key rows they see, the queries in registers and each key
+// load shared (score_pair_any), then softmax, then the rows weigh the value rows in groups
+// that share each value load (weigh_group_any). Compressed caches are expanded once per item.
+// A row's result depends only on its query and the keys and values it sees, never on the
+// rows it shares an item with: a prompt's last token attends bit-identically whether it
+// comes in a chunk, a verification or a decode step.
+inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
+                            const int64_t* q_lens, int64_t L, const int64_t* slots, const int64_t* starts) {
+  constexpr int64_t kBlock = 16;  // query positions per item (a verification's k+1 fit in one)
+  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t work = std::max<int64_t>(1, L * rows * D);
-  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 65536 / work), [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(rows * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
-    std::vector<const float*> keys(L), values(L), queries(rows);
-    std::vector<float*> weights(rows), outs(rows);
-    std::vector<int64_t> seen_by(rows);
+  struct Item {
+    int64_t b, row, j0, j1;  // sequence, its first row in q, positions j0..j1-1 of its step
+  };
+  std::vector<Item> items;
+  int64_t work = 1;
+  for (int64_t b = 0, row = 0; b < B; row += q_lens[b++])
+    for (int64_t j0 = 0; j0 < q_lens[b]; j0 += kBlock) {
+      items.push_back({b, row, j0, std::min(q_lens[b], j0 + kBlock)});
+      work += (starts[b] + j0 + kBlock) * kBlock * G * D;
+    }
+  const int64_t n = static_cast<int64_t>(items.size()) * Hkv;
+  const int64_t grain = std::max<int64_t>(1, 65536 * n / work);
+  at::parallel_for(0, n, grain, [&](int64_t p0, int64_t p1) {
+    const int64_t max_rows = kBlock * G;
+    std::vector<float> scores(max_rows * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
+    std::vector<const float*> keys(L), values(L), queries(max_rows);
+    std::vector<float*> weights(max_rows), outs(max_rows);
+    std::vector<int64_t> seen_by(max_rows);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / Hkv, h = p % Hkv;
+      const Item& it = items[p / Hkv];
+      const int64_t b = it.b, h = p % Hkv, rows = (it.j1 - it.j0) * G;
       const int64_t* seq = slots + b * L;
-      const int64_t seen = std::min(L, starts[b] + Q);  // positions any query of b sees
+      const int64_t seen = std::min(L, starts[b] + it.j1);  // positions any query here sees
       for (int64_t pos = 0; pos < seen; ++pos) {
         float* kbuf = c.kind == 0 ? nullptr : expanded.data() + pos * D;
         float* vbuf = c.kind == 0 ? nullptr : expanded.data() + (L + pos) * D;
         keys[pos] = c.row(0, h, seq[pos], kbuf);
         values[pos] = c.row(1, h, seq[pos], vbuf);
       }
-      for (int64_t j = 0; j < Q; ++j) {
+      for (int64_t j = it.j0; j < it.j1; ++j) {
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = j * G + g;
-          queries[r] = q + (b * Q + j) * q_stride + (h * G + g) * D;
+          const int64_t r = (j - it.j0) * G + g, t = it.row + j;
+          queries[r] = q + t * q_stride + (h * G + g) * D;
           weights[r] = scores.data() + r * L;
           seen_by[r] = std::min(seen, starts[b] + j + 1);
-          outs[r] = out + (b * Q + j) * H * D + (h * G + g) * D;
+          outs[r] = out + t * H * D + (h * G + g) * D;
         }
       }
       for (int64_t r = 0; r < rows; r += 2) {

@@ -43,6 +43,29 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Every sequence of the step in row order, the uniform group and the prompt chunks
+        alike (the native step's view): (new tokens [B], tokens cached before [B], padded
+        slots of positions 0..ctx-1 [B * ctx], ctx)."""
+        B, Q = self.decode_batch, self.decode_q_len
+        if not self.prefills:
+            q_lens = torch.full((B,), Q, dtype=torch.long)
+            return q_lens, self.decode_starts, self.decode_slots, self.decode_ctx
+        q_lens, starts, tables = [Q] * B, [], []
+        if B:
+            starts.append(self.decode_starts.cpu())
+            tables += list(self.decode_slots.view(B, self.decode_ctx))
+        for c in self.prefills:
+            own = self.slot_mapping[c.start : c.start + c.length]
+            tables.append(own if c.slots is None else c.slots)
+            q_lens.append(c.length)
+            starts.append(torch.tensor([c.context_len - c.length]))
+        ctx = max(len(t) for t in tables)
+        slots = self.slot_mapping.new_zeros(len(tables), ctx)  # slot 0 past the end: masked
+        for row, table in zip(slots, tables, strict=True):
+            row[: len(table)] = table
+        return torch.tensor(q_lens), torch.cat(starts), slots.view(-1), ctx
+
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
         position starts[b] + j and sees the positions up to there. Built on first use, once

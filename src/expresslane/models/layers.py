@@ -24,20 +24,19 @@ def onednn_prepack_supported(dtype: torch.dtype) -> bool:
 class Linear(nn.Module):
     """y = x W^T + b, in the activations' dtype.
 
-    `prepare_cpu` picks the CPU layout once at load time: weights prepacked into oneDNN's
-    blocked layout (about 1.3-1.5x faster per matmul at small batch than `F.linear`), and,
-    for a bf16 checkpoint computed in float32, the bf16 copy is kept too and read by the
-    native kernel at decode batch sizes, which moves half the bytes of a float32 matmul (on
-    CPUs with AVX-512 BF16 it is packed for the dot-product kernel, which rounds the
-    activations to bf16).
-    Where oneDNN has fast bf16 matmuls (AVX-512 BF16, AMX) the prepacked copy stays bf16 and
-    larger batches cast their float32 activations to it.
+    `prepare_cpu` picks the CPU layout once at load time. A bf16 checkpoint computed in
+    float32 on a CPU with AVX-512 BF16 runs every batch in the dot-product kernel
+    (kernels/bf16dot_cpu.cpp), which rounds the activations to bf16 as oneDNN's bf16 matmul
+    does, is faster than it at every batch size measured (demo model, 16-512 rows: 0.9-0.4x
+    its time), and gives each row the same result whatever the batch (`row_invariant`).
+    Without AVX-512 BF16 the native row kernel takes decode batch sizes (it moves half the
+    bytes of a float32 matmul); otherwise, and for larger batches, weights are prepacked into
+    oneDNN's blocked layout (about 1.3-1.5x faster per matmul at small batch than `F.linear`).
     """
 
-    # Up to this many rows the native decode step (bf16 kernel) beats the Python layers on
-    # oneDNN: AVX2, 63 against 92 ms for SmolLM2-135M's 120 layer linears at 16 rows (float32
-    # matmul); AVX-512 BF16, whole-step decode throughput 579 against 506 tok/s at 16
-    # sequences, 616 against 939 at 32 (the bf16 matmul).
+    # Up to this many rows the native decode step beats the Python layers on oneDNN where the
+    # linears run the row kernel: AVX2, 63 against 92 ms for SmolLM2-135M's 120 layer linears
+    # at 16 rows (float32 matmul).
     SMALL_BATCH = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -46,9 +45,9 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features = weight.shape[0]
         self._packed: torch.Tensor | None = None
-        self._packed_bf16 = False  # _packed holds bf16 weights for float32 activations
         self._bf16: torch.Tensor | None = None
         self._bf16_kernel = None
+        self.row_invariant = False  # the bf16 dot-product kernel runs every batch
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         from expresslane.kernels import cpu_kernels
@@ -60,13 +59,11 @@ class Linear(nn.Module):
             kernels = cpu_kernels()
             if kernels is not None and kernels.bf16_dot_available() and _dot_packable(w):
                 self._bf16, self._bf16_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
-            elif kernels is not None:  # the row kernel takes any shape
-                self._bf16, self._bf16_kernel = w, kernels.bf16_linear
-            if onednn_prepack_supported(torch.bfloat16):  # AVX-512 BF16 / AMX
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-                self._packed_bf16 = True
+                self.row_invariant = True
                 self.weight = None
                 return
+            if kernels is not None:  # the row kernel takes any shape
+                self._bf16, self._bf16_kernel = w, kernels.bf16_linear
         w = w.to(compute_dtype)
         if onednn_prepack_supported(compute_dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
@@ -79,13 +76,8 @@ class Linear(nn.Module):
         return None if self._bf16_kernel is None else [self._bf16]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._bf16_kernel is not None and x.shape[0] <= self.SMALL_BATCH:
+        if self._bf16_kernel is not None and (self.row_invariant or x.shape[0] <= self.SMALL_BATCH):
             return self._bf16_kernel(x, self._bf16, self.bias)
-        if self._packed_bf16:  # float32 activations through the bf16 matmul
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.to(torch.bfloat16), self._packed, None, "none", [None], ""
-            ).float()
-            return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [None], ""

@@ -79,6 +79,7 @@ class LlamaModel(nn.Module):
         self.decode_stack = None
         self.native_head = False  # decode_stack has the output head: logits, greedy
         self.native_rows = 0  # decode-only steps of up to this many tokens run decode_stack
+        self.native_all = False  # every step runs decode_stack (row-invariant linears)
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -96,6 +97,15 @@ class LlamaModel(nn.Module):
         )
         fp4 = isinstance(self.layers[0].qkv, Fp4Linear)
         self.native_rows = Fp4Linear.DECODE_ROWS if fp4 else Linear.SMALL_BATCH
+        # With linears that are fast and row-invariant at any batch (bf16 dot products) every
+        # step runs the native kernels: then a sequence's greedy tokens do not depend on what
+        # it was batched with (speculation, other requests, prompt chunking, cached prefixes).
+        linears = [self.lm_head] + [
+            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        self.native_all = self.decode_stack is not None and all(
+            getattr(m, "row_invariant", False) for m in linears
+        )
 
     @torch.inference_mode()
     def forward(
@@ -108,17 +118,12 @@ class LlamaModel(nn.Module):
         """Returns float32 logits for the tokens at `logits_indices` (all tokens if None)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
-        fast = self.decode_stack is not None and meta.num_decode_tokens == x.shape[0]
-        if fast and x.shape[0] <= self.native_rows:
+        decode_only = meta.num_decode_tokens == x.shape[0]
+        native = self.native_all or (decode_only and x.shape[0] <= self.native_rows)
+        if self.decode_stack is not None and native:
+            q_lens, starts, slots, ctx = meta.sequences()
             x = self.decode_stack.forward(
-                x,
-                cos,
-                sin,
-                meta.slot_mapping,
-                meta.decode_slots,
-                meta.decode_ctx,
-                meta.decode_q_len,
-                meta.decode_starts,
+                x, cos, sin, meta.slot_mapping, slots, ctx, q_lens, starts
             )
             if self.native_head:  # the final norm and the head in the same native module
                 return self.decode_stack.logits(x, logits_indices)
