@@ -1,4 +1,4 @@
-"""Every step through the native kernels against the Python layers, on the demo target.
+"""Every step through the native kernels against the Python layers (demo target, SmolLM2).
 
 With AVX-512 BF16 every CPU step (prompt chunks and large batches included) runs the native
 step (kernels/decode_cpu.cpp) on the bf16 dot-product linears, so each row is computed alike
@@ -6,29 +6,26 @@ whatever else is in the step. This measures what that costs or saves, side by si
 process:
 
 - linears: the dot-product kernel against oneDNN's bf16 matmul (float32 activations cast to
-  bf16, output cast back: the Python layers' larger batches before session 15), the demo
-  target's five layer shapes at 1-512 rows;
-- prompts: time to first token of one prompt of 128-2000 tokens, every step native against
-  the Python layers (SDPA attention, torch norms) with the same linears;
-- batches: decode throughput at batch 16 and 32, both ways.
+  bf16, output cast back: the Python layers' larger batches before session 15), the model's
+  four layer shapes at 1-512 rows;
+- prompts: time to first token of one prompt of 128-2000 random tokens, every step native
+  against the Python layers (SDPA attention, torch norms) with the same linears;
+- batches: throughput of 128-token prompts and 64 new tokens each at batch 16, 32 and 64,
+  both ways (up to 16 decode rows run the native step either way).
 
-    python benchmarks/native_steps.py [--repeats 5]
+    python benchmarks/native_steps.py [--model demo|smollm2] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
-from common import machine, save_results
-from spec import workloads
+from common import SMOLLM2_135M, machine, random_checkpoint, save_results
 
 from expresslane import LLM, SamplingParams
 from expresslane.kernels import cpu_kernels
-
-SHAPES = {"qkv": (640, 384), "o": (384, 384), "gate_up": (2304, 384), "down": (384, 1152)}
 
 
 def best_seconds(fn, repeats: int, inner: int = 20) -> float:
@@ -42,13 +39,28 @@ def best_seconds(fn, repeats: int, inner: int = 20) -> float:
     return min(times)
 
 
-def linears(repeats: int) -> dict:
+def layer_shapes(llm: LLM) -> dict[str, tuple[int, int]]:
+    """(N, K) of the first layer's linears, from their packed weights [N/16, K/2, 32]."""
+    layer = llm.engine.model.layers[0]
+    shapes = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        packed = getattr(layer, name).kernel_weights()[0]
+        shapes[name] = (packed.shape[0] * 16, packed.shape[1] * 2)
+    return shapes
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=g).tolist()
+
+
+def linears(shapes: dict[str, tuple[int, int]], repeats: int) -> dict:
     kernels = cpu_kernels()
     g = torch.Generator().manual_seed(0)
     out = {}
     for rows in (1, 16, 32, 64, 128, 512):
         row = {}
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in shapes.items():
             w = torch.randn(n, k, generator=g).bfloat16()
             x = torch.randn(rows, k, generator=g)
             packed = kernels.pack_bf16_dot(w)
@@ -80,17 +92,15 @@ def with_native(llm: LLM, native: bool):
 
 
 def prompts_ttft(llm: LLM, repeats: int) -> dict:
-    tok = llm.engine.tokenizer
-    source = Path(__file__).resolve().parent.parent / "src" / "expresslane" / "engine"
-    ids = tok.encode("".join(p.read_text() for p in sorted(source.glob("*.py"))), False)
+    vocab = llm.engine.model.cfg.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0)
-    out, offset = {}, 0
+    out, seed = {}, 0
     for length in (128, 512, 1024, 2000):
         times: dict[str, list[float]] = {"native": [], "python": []}
         for _ in range(repeats):
-            for mode in times:  # a fresh slice of text each time: no prefix-cache hits
-                prompt = tok.decode(ids[offset : offset + length])
-                offset += 97
+            for mode in times:  # new random tokens each time: no prefix-cache hits
+                seed += 1
+                prompt = random_prompts(1, length, vocab, seed)
                 saved = with_native(llm, mode == "native")
                 start = time.perf_counter()
                 llm.generate(prompt, params)
@@ -103,41 +113,44 @@ def prompts_ttft(llm: LLM, repeats: int) -> dict:
     return out
 
 
-def batches(repeats: int) -> dict:
-    prompts = workloads(32)["complete"]
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+def batches(path: str | None, repeats: int) -> dict:
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     out = {}
-    for batch in (16, 32):
-        llm = LLM(max_batch=batch, max_model_len=2048)
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0))
+    for batch in (16, 32, 64):
+        llm = LLM(path, max_batch=batch, max_model_len=1024, max_num_batched_tokens=2048)
+        prompts = random_prompts(batch, 128, llm.engine.model.cfg.vocab_size, batch)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))
         speeds: dict[str, list[float]] = {"native": [], "python": []}
         for _ in range(repeats):
             for mode in speeds:
                 saved = with_native(llm, mode == "native")
                 start = time.perf_counter()
-                outs = llm.generate(prompts[:batch], params)
+                outs = llm.generate(prompts, params)
                 seconds = time.perf_counter() - start
                 with_native(llm, saved)
                 speeds[mode].append(sum(len(o.token_ids) for o in outs) / seconds)
         row = {f"{m}_tok_s": round(max(s), 1) for m, s in speeds.items()}
         row["native_vs_python"] = round(max(speeds["native"]) / max(speeds["python"]), 2)
         out[batch] = row
-        print(f"batch {batch}, decode throughput:", row, flush=True)
+        print(f"batch {batch}, throughput:", row, flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    llm = LLM(max_batch=8, max_model_len=2048)
+    path = None if args.model == "demo" else str(random_checkpoint("smollm2-135m", SMOLLM2_135M))
+    llm = LLM(path, max_batch=8, max_model_len=2048)
     if not llm.engine.model.native_all:
         raise SystemExit("every step runs the native kernels only with AVX-512 BF16")
     results = {"machine": machine(), "args": vars(args)}
-    results["linears"] = linears(args.repeats)
+    results["linears"] = linears(layer_shapes(llm), args.repeats)
     results["prompts"] = prompts_ttft(llm, args.repeats)
-    results["batches"] = batches(args.repeats)
-    print("saved", save_results("native_steps", results))
+    del llm
+    results["batches"] = batches(path, args.repeats)
+    print("saved", save_results(f"native_steps_{args.model}", results))
 
 
 if __name__ == "__main__":
