@@ -315,6 +315,55 @@ def test_native_decode_step_matches_the_python_layers(
 
 
 @needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
+    tmp_path, monkeypatch, checkpoints, arch
+):
+    """A ragged step through the C++ step: two decodes, a whole prompt of 20 tokens and a
+    12-token chunk after 30 cached ones, against the Python layers (SDPA for the chunks)."""
+    from types import SimpleNamespace
+
+    from expresslane import LLM
+    from expresslane.models import attention
+    from expresslane.models.attention import AttentionMetadata, PrefillChunk
+
+    monkeypatch.setattr(attention, "native_decode_attention", lambda q, kv: None)
+    bf16_copy(checkpoints[arch], tmp_path)
+    engine = LLM(str(tmp_path)).engine
+    model, runner = engine.model, engine.runner
+    assert model.decode_stack is not None and engine.kv.num_blocks >= 40
+    g = torch.Generator().manual_seed(5)
+    hkv, d = model.cfg.num_kv_heads, model.cfg.head_dim
+    for store in runner.kv_caches:  # earlier tokens' keys and values, the cached prefix too
+        n = runner.block_size * 40
+        store.write(*(torch.randn(n, hkv, d, generator=g) for _ in range(2)), torch.arange(n))
+    seq = [SimpleNamespace(block_ids=[10 * i + j for j in range(10)]) for i in range(4)]
+    decodes = [(seq[0], 5), (seq[1], 37)]  # (request, tokens cached)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+    for s_, cached in decodes:
+        s_.num_computed_tokens = cached
+    runner._decode_metadata(meta, [s_ for s_, _ in decodes], 1)
+    spans = [(seq[0], 5, 6), (seq[1], 37, 38), (seq[2], 0, 20), (seq[3], 30, 42)]
+    slots = [runner.slots(s_, a, b) for s_, a, b in spans]
+    meta.slot_mapping = torch.from_numpy(np.concatenate(slots))
+    meta.prefills = [
+        PrefillChunk(2, 20, 20, None),
+        PrefillChunk(22, 12, 42, torch.from_numpy(runner.slots(seq[3], 0, 42))),
+    ]
+    positions = torch.cat([torch.arange(a, b) for _, a, b in spans])
+    x = torch.randn(len(positions), model.cfg.hidden_size, generator=g)
+    cos, sin = model.rotary.tables(positions)
+    with torch.inference_mode():
+        ref = x
+        for layer in model.layers:
+            ref = layer(ref, cos, sin, meta)
+        q_lens, starts, table, ctx = meta.sequences()
+        assert q_lens.tolist() == [1, 1, 20, 12] and starts.tolist() == [5, 37, 0, 30]
+        out = model.decode_stack.forward(x, cos, sin, meta.slot_mapping, table, ctx, q_lens, starts)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("store_name", ["PlainKV", "Fp8KV", "Fp4KV"])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_decode_attention_matches_the_torch_path(store_name, q_len):

@@ -27,8 +27,9 @@ class Linear(nn.Module):
     `prepare_cpu` picks the CPU layout once at load time. A bf16 checkpoint computed in
     float32 on a CPU with AVX-512 BF16 runs every batch in the dot-product kernel
     (kernels/bf16dot_cpu.cpp), which rounds the activations to bf16 as oneDNN's bf16 matmul
-    does, is faster than it at every batch size measured (demo model, 16-512 rows: 0.9-0.4x
-    its time), and gives each row the same result whatever the batch (`row_invariant`).
+    does, is faster than it at every batch size measured (0.2-0.97x its time from 1 to 512
+    rows, benchmarks/native_steps.py), and gives each row the same result whatever the batch
+    (`row_invariant`).
     Without AVX-512 BF16 the native row kernel takes decode batch sizes (it moves half the
     bytes of a float32 matmul); otherwise, and for larger batches, weights are prepacked into
     oneDNN's blocked layout (about 1.3-1.5x faster per matmul at small batch than `F.linear`).
