@@ -407,23 +407,39 @@ def test_decode_attention_matches_the_torch_path(store_name, q_len):
     torch.testing.assert_close(attn._decode(q, meta), mine, atol=0, rtol=0)  # it is used
 
 
-def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path):
+def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(tmp_path):
     """torch's extension build waits for its lock file to vanish; one left by a killed build
-    would make every later start hang without a word."""
-    import os
-    import time
+    would make every later start hang without a word. A live build holds the OS lock: a
+    second start waits for it instead of taking its lock file away."""
+    import subprocess
+    import sys
 
-    from expresslane.kernels import STALE_LOCK_SECONDS, clear_stale_build_lock
+    from expresslane.kernels import exclusive_build
 
     lock = tmp_path / "lock"
-    lock.touch()
-    clear_stale_build_lock(tmp_path)
-    assert lock.exists()  # a build may be running
-    old = time.time() - STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    clear_stale_build_lock(tmp_path)
-    assert not lock.exists()
-    clear_stale_build_lock(tmp_path)  # nothing to do
+    lock.touch()  # left by a build that was killed
+    with exclusive_build(tmp_path):
+        assert not lock.exists()
+    builder = f"""
+import fcntl, pathlib, sys
+d = pathlib.Path({str(tmp_path)!r})
+with open(d / "expresslane.lock", "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    (d / "lock").touch()
+    print("building", flush=True)
+    sys.stdin.readline()  # until the test has tried to enter
+    (d / "lock").unlink()
+    (d / "built").touch()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", builder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "building\n"
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    with exclusive_build(tmp_path):  # waits for the live build, does not remove its lock
+        assert (tmp_path / "built").exists()
+    assert proc.wait() == 0
 
 
 @needs_kernels

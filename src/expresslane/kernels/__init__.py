@@ -5,13 +5,18 @@ built or run (no compiler, a CPU without the instructions, no Triton)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
-import time
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
@@ -22,20 +27,26 @@ _SRC = Path(__file__).parent
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 ISA_FLAGS = {"AVX512": _AVX512, "AVX512_BF16": [*_AVX512, "-mavx512bf16"]}
 
-STALE_LOCK_SECONDS = 600  # a build takes 1-2 minutes here
 
-
-def clear_stale_build_lock(build_dir: Path) -> None:
-    """Remove the build lock a killed build left behind (e.g. Ctrl-C during the first
-    `expresslane serve`): torch waits for it to vanish, silently and forever."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path):
+    """Hold an OS lock on `build_dir` while torch builds or loads the kernels there. The OS
+    drops it when its process dies, so a torch lock file found while holding it was left by
+    a killed build (Ctrl-C during the first `expresslane serve`): it is removed, since torch
+    would wait for it to vanish, silently and forever. Other starts wait for a live build."""
+    if fcntl is None:  # not POSIX: torch's own lock only
+        yield
         return
-    if age > STALE_LOCK_SECONDS:
-        log.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    with open(build_dir / "expresslane.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing the build lock a killed build left: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
 
 
 def cpu_flags() -> set[str]:
@@ -71,20 +82,20 @@ def cpu_kernels():
         name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_build_lock(build_dir)
-        if not (build_dir / f"{name}.so").exists():
-            log.info("compiling the %s CPU kernels (once, about a minute) in %s", isa, build_dir)
-        return load(
-            name=name,
-            sources=[
-                str(_SRC / n)
-                for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
-            ],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *ISA_FLAGS.get(isa, [])],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with exclusive_build(build_dir):
+            if not (build_dir / f"{name}.so").exists():
+                log.info("compiling the %s CPU kernels (once, ~1 min) in %s", isa, build_dir)
+            return load(
+                name=name,
+                sources=[
+                    str(_SRC / n)
+                    for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
+                ],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *ISA_FLAGS.get(isa, [])],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no headers: fall back to PyTorch ops
         log.warning("CPU kernels unavailable (%s); using PyTorch matmuls", e)
         return None
