@@ -45,26 +45,41 @@ def dequantized_copy(qdir, out):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_quantized_forward_matches_dequantized_reference(checkpoints, tmp_path, arch, fmt, capsys):
+def test_quantized_forward_matches_dequantized_reference(
+    checkpoints, tmp_path, monkeypatch, arch, fmt, capsys
+):
+    """The FP4 checkpoint through the Python layers' reference path (weights expanded,
+    float activations) equals transformers on the dequantized weights; through the CPU
+    kernels (int8 activations) it stays within 1% of it."""
+    from expresslane import kernels
+
     qdir = tmp_path / "q"
     assert main(["quantize", "--format", fmt, str(checkpoints[arch]), str(qdir)]) == 0
     assert "of bf16" in capsys.readouterr().out
     config = json.loads((qdir / "config.json").read_text())
     assert config["quantization_config"]["format"] == fmt
     assert not config["tie_word_embeddings"]  # the output projection is quantized on its own
-    model, cfg = load_model(qdir, torch.float32, torch.device("cpu"), 512)
-    model.bind_kv_cache(
-        [torch.zeros(2, cfg.num_kv_heads, 512, cfg.head_dim) for _ in range(cfg.num_layers)]
-    )
     T = 60
     ids = torch.tensor(random_prompts(1, T, T + 1, seed=3)[0])
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)])
-    ours = model(ids, torch.arange(T), meta)
     ref_dir = dequantized_copy(qdir, tmp_path / "ref")
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
     with torch.no_grad():
         ref = ref_model(ids[None]).logits[0]
-    torch.testing.assert_close(ours, ref, atol=5e-5, rtol=1e-4)
+
+    def prompt_logits():
+        model, cfg = load_model(qdir, torch.float32, torch.device("cpu"), 512)
+        model.bind_kv_cache(
+            [torch.zeros(2, cfg.num_kv_heads, 512, cfg.head_dim) for _ in range(cfg.num_layers)]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)]
+        )
+        return model(ids, torch.arange(T), meta)
+
+    with_kernels = prompt_logits()
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    torch.testing.assert_close(prompt_logits(), ref, atol=5e-5, rtol=1e-4)
+    assert (with_kernels - ref).norm() / ref.norm() < 0.01
 
 
 def test_quantize_at_load_equals_the_quantized_checkpoint(llama_dir, tmp_path):
@@ -83,23 +98,18 @@ def test_quantize_at_load_equals_the_quantized_checkpoint(llama_dir, tmp_path):
         main(["quantize", "--format", "mxfp4", str(tmp_path), str(tmp_path / "x")])
 
 
-@pytest.mark.parametrize("batch", [6, 20])  # 20: past the bf16 limit, within DECODE_ROWS
-def test_fp4_decode_step_in_cpp_matches_the_python_layers(llama_dir, tmp_path, monkeypatch, batch):
-    """The C++ decode step runs FP4 linears too; it must produce the Python layers' tokens
-    (both call the same kernel; the kernel against the reference is in test_kernels.py)."""
-    from expresslane.quant.linear import Fp4Linear
-
-    # the Python layers call the kernel for as many rows as the native step does
-    monkeypatch.setattr(Fp4Linear, "SMALL_BATCH", Fp4Linear.DECODE_ROWS)
+def test_fp4_greedy_tokens_do_not_depend_on_the_batch(llama_dir, tmp_path):
+    """FP4 linears run the row-invariant CPU kernel at every batch size, so every step runs
+    the native kernels: a prompt's greedy tokens are the same decoded alone as among 20 others
+    with prompts cut into chunks beside decodes (the C++ step against the Python layers, at
+    the tensor level: tests/test_kernels.py)."""
     qdir = tmp_path / "q"
     main(["quantize", "--format", "nvfp4", str(llama_dir), str(qdir)])
-    prompts = random_prompts(batch, 5, 40, seed=6)
+    prompts = random_prompts(20, 5, 40, seed=6)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fast = LLM(str(qdir), dtype="float32")
-    if fast.engine.model.decode_stack is None:
+    alone = LLM(str(qdir), dtype="float32", max_batch=1, enable_prefix_caching=False)
+    if not alone.engine.model.native_all:
         pytest.skip("no AVX2 CPU kernels here")
-    slow = LLM(str(qdir), dtype="float32")
-    slow.engine.model.decode_stack = None
-    assert fast.engine.model.native_rows >= batch
-    a, b = fast.generate(prompts, params), slow.generate(prompts, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    batched = LLM(str(qdir), dtype="float32", max_batch=20, max_num_batched_tokens=24)
+    expected = [alone.generate(p, params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in batched.generate(prompts, params)] == expected

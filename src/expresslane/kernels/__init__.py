@@ -77,8 +77,21 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        # torch rebuilds when a listed source changes, not a header: name the build by all files
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*"))))
+        # no contraction of a * b + c into an FMA: the compiler would fuse it in some
+        # inlined copies and not others, and a row's result must not depend on which kernel
+        # variant (row count) computed it
+        cflags = [
+            "-O3",
+            "-mavx2",
+            "-mfma",
+            "-ffp-contract=off",
+            "-fopenmp",
+            *ISA_FLAGS.get(isa, []),
+        ]
+        # torch rebuilds when a listed source changes, not a header or a flag: name the build
+        # by all of them
+        sources = b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*")))
+        digest = hashlib.sha256(sources + " ".join(cflags).encode())
         name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +104,7 @@ def cpu_kernels():
                     str(_SRC / n)
                     for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
                 ],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *ISA_FLAGS.get(isa, [])],
+                extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,

@@ -301,45 +301,6 @@ void run(const float* x, const uint8_t* codes, const uint8_t* scales, const floa
 
 }  // namespace
 
-// The whole weight as float32 [N, K], for prompt chunks (a GEMM follows). Rounds exactly as
-// Fp4Weight.dequantize: (E2M1 value x block scale) x row scale, the first product exact.
-torch::Tensor fp4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales, int64_t block,
-                             int64_t scale_kind) {
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kUInt8, "codes, scales: uint8");
-  TORCH_CHECK(block == 16 || block == 32, "block size 16 or 32");
-  TORCH_CHECK(scale_kind == 0 || scale_kind == 1, "scale kind 0 (E8M0) or 1 (E4M3)");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, nb = K / block;
-  TORCH_CHECK(scales.size(0) == N && scales.size(1) * block == K, "shapes");
-  TORCH_CHECK(row_scales.dtype() == torch::kFloat32 && row_scales.numel() == N, "row scales");
-  codes = codes.contiguous();
-  scales = scales.contiguous();
-  auto out = torch::empty({N, K}, row_scales.options());
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint8_t* sc = scales.data_ptr<uint8_t>();
-  const float* rs = row_scales.data_ptr<float>();
-  const float* table = scale_table(scale_kind);
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Doubled));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t n = n0; n < n1; ++n) {
-      const __m256 row = _mm256_set1_ps(rs[n]);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m256 s = _mm256_set1_ps(table[sc[n * nb + b]]);
-        for (int64_t h = 0; h < block / 16; ++h) {
-          const __m128i v = expand16(c + n * (K / 2) + b * (block / 2) + 8 * h, lut, low4);
-          float* dst = o + n * K + b * block + 16 * h;
-          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-          _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_mul_ps(w0, s), row));
-          _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_mul_ps(w1, s), row));
-        }
-      }
-    }
-  });
-  return out;
-}
-
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: float32 [M, K]");

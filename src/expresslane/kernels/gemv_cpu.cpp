@@ -161,13 +161,10 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
 bool bf16_dot_available();
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
-torch::Tensor fp4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales, int64_t block,
-                             int64_t scale_kind);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
-  m.def("fp4_dequantize", &fp4_dequantize, "MXFP4/NVFP4 codes + block scales -> float32 weight (AVX2)");
   m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
   m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]");
