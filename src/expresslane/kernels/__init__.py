@@ -23,9 +23,10 @@ _SRC = Path(__file__).parent
 
 
 # torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef);
-# AVX512_BF16 adds the bf16 dot product (bf16dot_cpu.cpp), which torch does not report
+# AVX512_BF16 adds the bf16 dot product (bf16dot_cpu.cpp) and VNNI's byte dot product (the FP4
+# kernel), which torch does not report (every CPU with AVX-512 BF16 so far has VNNI too)
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-ISA_FLAGS = {"AVX512": _AVX512, "AVX512_BF16": [*_AVX512, "-mavx512bf16"]}
+ISA_FLAGS = {"AVX512": _AVX512, "AVX512_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"]}
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ def cpu_flags() -> set[str]:
 def cpu_isa() -> str:
     """The instruction set the kernels are built for: torch's capability, refined."""
     isa = torch.backends.cpu.get_cpu_capability()
-    if isa == "AVX512" and "avx512_bf16" in cpu_flags():
+    if isa == "AVX512" and {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
         return "AVX512_BF16"
     return isa
 
