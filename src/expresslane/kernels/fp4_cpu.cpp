@@ -92,7 +92,19 @@ inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scal
 // - the block scales of a run of whole rows are decoded eight at a time before their groups
 //   are visited; a pair then multiplies its 4 (NVFP4) or 2 weight scales by the activations'.
 constexpr int kOffset = 12;
+constexpr int64_t kAhead = 4;  // software prefetch distance, in passes of R weight rows
 alignas(16) const int8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// With AVX-512 VNNI four groups (a quad, two pairs) go through one 512-bit dot product: the
+// groups of whole quads come first, the remaining pair and group as before. Every M takes the
+// same split, so a row's sums do not depend on the batch.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kQuadGroups = 4;
+constexpr int kI8Rows = 8;  // activation rows per pass over the codes (32 zmm registers)
+#else
+constexpr int64_t kQuadGroups = 1 << 30;  // no quads
+constexpr int kI8Rows = 4;
+#endif
 
 // Quantized activations of one call: per row, values in expansion order, 12 x the sums of the
 // values each int32 lane of the dot product covers (8 per group), and the scale of each weight
@@ -106,33 +118,48 @@ struct QuantizedX {
 QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
   const int64_t groups = K / 32, per_group = 32 / block, n8 = (K / block + 7) / 8 * 8;
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<int32_t>(M * groups * 8), std::vector<float>(M * n8)};
-  std::array<int8_t, 32> v8;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < groups; ++j) {
-      const float* v = x + m * K + 32 * j;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t b = 0; b < per_group; ++b) out.scale[m * n8 + j * per_group + b] = amax / 127.0f;
-      for (int i = 0; i < 32; ++i) v8[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-      int8_t* q = out.q.data() + m * K;
-      int32_t* corr = out.corr.data() + (m * groups + (j & ~int64_t{1})) * 8;
-      if ((j & 1) == 0 && j + 1 == groups) {  // unpaired: [even | odd], lanes of 4 values
-        for (int i = 0; i < 16; ++i) q[32 * j + i] = v8[2 * i], q[32 * j + 16 + i] = v8[2 * i + 1];
-        for (int lane = 0; lane < 8; ++lane) {
-          const int8_t* e = q + 32 * j + 4 * lane;
-          corr[lane] = kOffset * (e[0] + e[1] + e[2] + e[3]);
+  // rows across threads for prompt chunks (each row's values are the same either way)
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::array<int8_t, 32> v8;
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t j = 0; j < groups; ++j) {
+        const float* v = x + m * K + 32 * j;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t b = 0; b < per_group; ++b) out.scale[m * n8 + j * per_group + b] = amax / 127.0f;
+        for (int i = 0; i < 32; ++i) v8[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        int8_t* q = out.q.data() + m * K;
+        int32_t* corr = out.corr.data() + (m * groups + (j & ~int64_t{1})) * 8;
+        if ((j & 1) == 0 && j + 1 == groups) {  // unpaired: [even | odd], lanes of 4 values
+          for (int i = 0; i < 16; ++i) q[32 * j + i] = v8[2 * i], q[32 * j + 16 + i] = v8[2 * i + 1];
+          for (int lane = 0; lane < 8; ++lane) {
+            const int8_t* e = q + 32 * j + 4 * lane;
+            corr[lane] = kOffset * (e[0] + e[1] + e[2] + e[3]);
+          }
+          continue;
         }
-        continue;
+        if (j < kQuadGroups * (groups / kQuadGroups)) {  // a quad: [even P0 | even P1 | odd P0 | odd P1]
+          const int64_t base = 32 * (j & ~int64_t{3}), pair = (j >> 1) & 1, half = 16 * (j & 1);
+          for (int i = 0; i < 16; ++i)
+            q[base + 32 * pair + half + i] = v8[2 * i], q[base + 64 + 32 * pair + half + i] = v8[2 * i + 1];
+          int32_t* quad_corr = out.corr.data() + (m * groups + (j & ~int64_t{3}) + pair) * 8;
+          for (int lane = 0; lane < 4; ++lane) {
+            int32_t sum = 0;
+            for (int i = 0; i < 8; ++i) sum += v8[8 * lane + i];
+            quad_corr[4 * (j & 1) + lane] = kOffset * sum;
+          }
+          continue;
+        }
+        const int64_t base = 32 * (j & ~int64_t{1}), half = 16 * (j & 1);  // pair start, which group
+        for (int i = 0; i < 16; ++i) q[base + half + i] = v8[2 * i], q[base + 32 + half + i] = v8[2 * i + 1];
+        for (int lane = 0; lane < 4; ++lane) {  // lane covers elements 8 lane .. 8 lane + 7
+          int32_t sum = 0;
+          for (int i = 0; i < 8; ++i) sum += v8[8 * lane + i];
+          corr[4 * (j & 1) + lane] = kOffset * sum;
+        }
       }
-      const int64_t base = 32 * (j & ~int64_t{1}), half = 16 * (j & 1);  // pair start, which group
-      for (int i = 0; i < 16; ++i) q[base + half + i] = v8[2 * i], q[base + 32 + half + i] = v8[2 * i + 1];
-      for (int lane = 0; lane < 4; ++lane) {  // lane covers elements 8 lane .. 8 lane + 7
-        int32_t sum = 0;
-        for (int i = 0; i < 8; ++i) sum += v8[8 * lane + i];
-        corr[4 * (j & 1) + lane] = kOffset * sum;
-      }
-    }
+  });
   return out;
 }
 
@@ -209,10 +236,48 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
     return _mm_mul_ps(two(w), two(x));
   };
   int64_t j = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // Quads: lane l of the 16 int32 lanes covers elements 8 (l % 4) .. + 7 of group j + l / 4
+  // (lanes 0-7 the first pair, as above, 8-15 the second), so NVFP4 lanes take block scales
+  // b0 + l / 2 and MXFP4 lanes b0 + l / 4.
+  __m512 acc4[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc4[r][m] = _mm512_setzero_ps();
+  const __m512i lut4 = _mm512_broadcast_i32x4(lut128);
+  const __m512i low4x = _mm512_set1_epi8(0x0F);
+  const __m512i spread4 = BS == 16 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (; j + kQuadGroups <= groups; j += kQuadGroups) {
+    const int64_t b0 = j * 32 / BS;
+    const char* ahead = reinterpret_cast<const char*>(codes) + kAhead * R * (K / 2) + R * 16 * j;
+    for (int i = 0; i < R * 64; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_loadu_si512(codes + r * (K / 2) + 16 * j);
+      const __m512i even = _mm512_shuffle_epi8(lut4, _mm512_and_si512(b, low4x));
+      const __m512i odd = _mm512_shuffle_epi8(lut4, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4x));
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = xq.q + m * K + 32 * j;
+        const float* ws = dec + r * nb + b0;
+        const float* xs = xq.scale + m * xq.scale_stride + b0;
+        const __m512 scales = BS == 16
+            ? _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(xs)))
+            : _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(ws), _mm_loadu_ps(xs)));
+        const __m512 s = _mm512_permutexvar_ps(spread4, scales);
+        const __m512i corr = _mm512_loadu_si512(xq.corr + (m * groups + j) * 8);
+        const __m512i dot = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), corr), even, _mm512_loadu_si512(x)), odd,
+            _mm512_loadu_si512(x + 64));
+        acc4[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc4[r][m]);
+      }
+    }
+  }
+#endif
   for (; j + 2 <= groups; j += 2) {
     const int64_t b0 = j * 32 / BS;  // the pair's first block
-    // the next R rows, front to back at the pace these are read: one sequential stream
-    const char* ahead = reinterpret_cast<const char*>(codes) + R * (K / 2) + R * 16 * j;
+    // the R rows kAhead passes on, front to back at the pace these are read: one sequential
+    // stream far enough ahead to cover DRAM latency (M = 1 from DRAM: 33 against 29 GB/s
+    // prefetching the next R rows)
+    const char* ahead = reinterpret_cast<const char*>(codes) + kAhead * R * (K / 2) + R * 16 * j;
     for (int i = 0; i < R * 32; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = codes + r * (K / 2) + 16 * j;
@@ -257,8 +322,14 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < M; ++m) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      // the quads' 16 lanes folded onto the pairs' 8 (fixed order, every M alike)
+      const __m512 a4 = acc4[r][m];
+      acc[r][m] = _mm256_add_ps(acc[r][m], _mm256_add_ps(_mm512_castps512_ps256(a4), _mm512_extractf32x8_ps(a4, 1)));
+#endif
       y[m * N + n + r] = hsum(acc[r][m]) * row_scales[n + r] + (bias ? bias[n + r] : 0.0f);
+    }
 }
 
 template <int M, int BS>
@@ -297,13 +368,21 @@ void run(const float* x, const uint8_t* codes, const uint8_t* scales, const floa
          const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
   if (K % 32 == 0) {
     const QuantizedX xq = quantize_activations(x, M, K, BS);
-    expresslane::for_row_blocks(M, [&](int64_t m0, int64_t mb) {
+    expresslane::for_row_blocks<kI8Rows>(M, [&](int64_t m0, int64_t mb) {
       float* yp = y + m0 * N;
       switch (mb) {
         case 1: gemv_i8<1, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
         case 2: gemv_i8<2, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
         case 3: gemv_i8<3, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        case 4: gemv_i8<4, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        case 5: gemv_i8<5, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        case 6: gemv_i8<6, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        case 7: gemv_i8<7, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+        default: gemv_i8<8, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+#else
         default: gemv_i8<4, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
+#endif
       }
     });
     return;
