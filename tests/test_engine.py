@@ -56,6 +56,23 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(llama_bf16_dir):
     assert sum(o.num_cached_tokens for o in outs) >= 8 * 32  # prefix hits happened
 
 
+def test_bf16_preempted_requests_recompute_the_same_tokens(llama_bf16_dir):
+    """A preempted request recomputes its prompt and output as prompt chunks, beside other
+    requests' decodes in the native step: its tokens still match a solo run (with bf16 weights
+    rows are computed alike in any step, so nothing may differ)."""
+    solo_llm = LLM(str(llama_bf16_dir), max_batch=1, enable_prefix_caching=False)
+    if not solo_llm.engine.model.native_all:
+        pytest.skip("row-invariant steps need the AVX-512 BF16 kernels")
+    rng = random.Random(1)
+    prompts = random_prompts(60, 4, 90, seed=8)
+    params = [SamplingParams(max_tokens=rng.randint(8, 40), **GREEDY) for _ in prompts]
+    small = LLM(str(llama_bf16_dir), num_kv_blocks=24, max_batch=32)
+    outs = small.generate(prompts, params)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    solo = [solo_llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in outs] == solo
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     p = random_prompts(1, 10, 11, seed=3)[0]
     sp = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
