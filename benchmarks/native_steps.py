@@ -19,6 +19,7 @@ process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -84,11 +85,15 @@ def linears(shapes: dict[str, tuple[int, int]], repeats: int) -> dict:
     return out
 
 
-def with_native(llm: LLM, native: bool):
+@contextlib.contextmanager
+def steps_through(llm: LLM, mode: str):
+    """Every step through the native kernels ("native") or the Python layers ("python")."""
     model = llm.engine.model
-    saved = model.native_all
-    model.native_all = native
-    return saved
+    saved, model.native_all = model.native_all, mode == "native"
+    try:
+        yield
+    finally:
+        model.native_all = saved
 
 
 def prompts_ttft(llm: LLM, repeats: int) -> dict:
@@ -101,11 +106,10 @@ def prompts_ttft(llm: LLM, repeats: int) -> dict:
             for mode in times:  # new random tokens each time: no prefix-cache hits
                 seed += 1
                 prompt = random_prompts(1, length, vocab, seed)
-                saved = with_native(llm, mode == "native")
-                start = time.perf_counter()
-                llm.generate(prompt, params)
-                times[mode].append(time.perf_counter() - start)
-                with_native(llm, saved)
+                with steps_through(llm, mode):
+                    start = time.perf_counter()
+                    llm.generate(prompt, params)
+                    times[mode].append(time.perf_counter() - start)
         row = {m: round(min(t) * 1e3, 2) for m, t in times.items()}
         row["native_vs_python"] = round(row["native"] / row["python"], 2)
         out[length] = row
@@ -123,11 +127,10 @@ def batches(path: str | None, repeats: int) -> dict:
         speeds: dict[str, list[float]] = {"native": [], "python": []}
         for _ in range(repeats):
             for mode in speeds:
-                saved = with_native(llm, mode == "native")
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params)
-                seconds = time.perf_counter() - start
-                with_native(llm, saved)
+                with steps_through(llm, mode):
+                    start = time.perf_counter()
+                    outs = llm.generate(prompts, params)
+                    seconds = time.perf_counter() - start
                 speeds[mode].append(sum(len(o.token_ids) for o in outs) / seconds)
         row = {f"{m}_tok_s": round(max(s), 1) for m, s in speeds.items()}
         row["native_vs_python"] = round(max(speeds["native"]) / max(speeds["python"]), 2)
