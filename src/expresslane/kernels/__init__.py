@@ -9,6 +9,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,6 +69,17 @@ def cpu_isa() -> str:
     return isa
 
 
+def _copy_sources(files: list[Path], dst: Path) -> Path:
+    """The sources copied beside the build: torch's build file names source paths, so builds
+    from two checkouts of the same code would otherwise keep rebuilding each other's."""
+    dst.mkdir(exist_ok=True)
+    for f in files:
+        target = dst / f.name
+        if not target.exists() or target.read_bytes() != f.read_bytes():
+            shutil.copyfile(f, target)
+    return dst
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled module (AVX2, plus AVX-512 and AVX-512 BF16 paths where the CPU has
@@ -91,18 +103,19 @@ def cpu_kernels():
         ]
         # torch rebuilds when a listed source changes, not a header or a flag: name the build
         # by all of them
-        sources = b"".join(p.read_bytes() for p in sorted(_SRC.glob("*.[ch]*")))
-        digest = hashlib.sha256(sources + " ".join(cflags).encode())
+        files = sorted(_SRC.glob("*.[ch]*"))
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(cflags).encode())
         name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_build(build_dir):
             if not (build_dir / f"{name}.so").exists():
                 log.info("compiling the %s CPU kernels (once, ~1 min) in %s", isa, build_dir)
+            src = _copy_sources(files, build_dir / "src")
             return load(
                 name=name,
                 sources=[
-                    str(_SRC / n)
+                    str(src / n)
                     for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
                 ],
                 extra_cflags=cflags,
