@@ -3,20 +3,23 @@ and the ledger row written when a request ends.
 
 The order for one request: the key (401) -> the tier it asks for, `auto` meaning the key's
 default -> entitlement (403, or downgrade) -> lane full (queue, downgrade or 429, per key) ->
-monthly quota (429 `insufficient_quota`) -> requests/min and tokens/min of the served tier
-(429 with Retry-After). The outcome is a `Ticket` that travels with the request.
+queue bounds (429 `queue_full` when the lane's queue is full, `too_many_requests_in_flight`
+past the key's in-flight limit) -> monthly quota (429 `insufficient_quota`) -> requests/min and
+tokens/min of the served tier (429 with Retry-After). Every 429 carries `x-ratelimit-*` headers.
+The outcome is a `Ticket` that travels with the request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from expresslane.lanes import Lane
 from expresslane.server.errors import APIError
 from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, connect
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
-from expresslane.server.ratelimit import RateLimiter
+from expresslane.server.ratelimit import RateLimiter, go_duration
 from expresslane.server.tiers import canonical_tier
 
 log = logging.getLogger("expresslane.server")
@@ -29,15 +32,40 @@ class Ticket:
     tier: str  # the tier that serves it (echoed in the response)
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
 
+    @property
+    def owner(self) -> str:
+        """Who owns what this request stores (see `ApiKey.owner`)."""
+        return self.key.owner
+
+
+@dataclass
+class QueueLimits:
+    """How much work may wait: per lane beyond its max batch (None: 4 x max batch) and per
+    key (running or waiting, all tiers; None: unbounded)."""
+
+    per_lane: int | None = None
+    per_key: int | None = 256
+
+    def lane_capacity(self, lane: Lane) -> int:
+        return lane.max_batch + (4 * lane.max_batch if self.per_lane is None else self.per_lane)
+
 
 class Accounts:
-    def __init__(self, path: str, prices: Prices, lanes: dict[str, Lane]):
+    def __init__(
+        self,
+        path: str,
+        prices: Prices,
+        lanes: dict[str, Lane],
+        queue_limits: QueueLimits | None = None,
+    ):
         db = connect(path)
         self.keys = KeyStore(db)
         self.ledger = Ledger(db)
         self.limiter = RateLimiter()
         self.prices = prices
         self.lanes = lanes
+        self.queue_limits = queue_limits or QueueLimits()
+        self.in_flight: dict[str, int] = {}  # key id -> requests charged and not finished
         if not self.keys.has_keys():
             log.warning(
                 "no API keys configured: open local mode, every tier open to anyone who can "
@@ -100,14 +128,16 @@ class Accounts:
                 if la.rank > lane.rank and la.enabled and la.name in plan.tiers
             ]
             if plan.when_unavailable == "reject" or not lower:
-                raise APIError(
-                    429,
+                raise self._busy(
+                    key,
+                    asked,
+                    lane.max_batch,
                     f"The '{asked}' tier is at capacity ({lane.max_batch} requests in "
                     "flight); retry shortly, or use another tier.",
-                    code="tier_at_capacity",
-                    headers={"retry-after": "1", "retry-after-ms": "1000"},
+                    "tier_at_capacity",
                 )
             tier = min(lower, key=lambda la: la.rank).name  # the next lane down
+        self._check_queues(key, tier, lane_load)
         if plan.monthly_tokens is not None:
             used = self.ledger.tokens_since(key.id, month_start())
             if used >= plan.monthly_tokens:
@@ -117,12 +147,58 @@ class Accounts:
                     f"({used} used this month); it renews on the 1st (UTC).",
                     code="insufficient_quota",
                     type="insufficient_quota",
-                    headers={"x-should-retry": "false"},
+                    headers={"x-should-retry": "false", **self._quota_headers(key, tier)},
                 )
         return Ticket(key, asked, tier)
 
-    def charge(self, ticket: Ticket, tokens: int) -> None:
-        """Take one request and `tokens` (an estimate) from the served tier's limits."""
+    def _quota_headers(self, key: ApiKey, tier: str) -> dict[str, str]:
+        limits = key.plan.limits_for(tier)
+        renews = month_start(month_start() + 32 * 86400)
+        return self.limiter.peek(key.id, tier, limits.rpm, limits.tpm) or {
+            "x-ratelimit-limit-tokens": str(key.plan.monthly_tokens),
+            "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-reset-tokens": go_duration(renews - time.time()),
+        }
+
+    def _check_queues(self, key: ApiKey, tier: str, lane_load) -> None:
+        """429 instead of an unbounded wait: the lane's queue is full, or the key has as
+        many requests in flight as it may."""
+        capacity = self.queue_limits.lane_capacity(self.lanes[tier])
+        if lane_load(tier) >= capacity:
+            raise self._busy(
+                key,
+                tier,
+                capacity,
+                f"The '{tier}' tier has {capacity} requests running or waiting, as many as "
+                "this server queues; retry after the Retry-After delay.",
+                "queue_full",
+            )
+        per_key = self.queue_limits.per_key
+        if per_key is not None and self.in_flight.get(key.id, 0) >= per_key:
+            raise self._busy(
+                key,
+                tier,
+                per_key,
+                f"This API key has {per_key} requests in flight, as many as it may; wait for "
+                "some to finish.",
+                "too_many_requests_in_flight",
+            )
+
+    def _busy(self, key: ApiKey, tier: str, capacity: int, message: str, code: str) -> APIError:
+        """A 429 for a full queue: Retry-After, and the key's rate-limit headers as they
+        stand (or, for a key without limits, the capacity that was reached)."""
+        limits = key.plan.limits_for(tier)
+        headers = self.limiter.peek(key.id, tier, limits.rpm, limits.tpm) or {
+            "x-ratelimit-limit-requests": str(capacity),
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "1s",
+        }
+        headers |= {"retry-after": "1", "retry-after-ms": "1000"}
+        return APIError(429, message, code=code, headers=headers)
+
+    def charge(self, ticket: Ticket, tokens: int, requests: int = 1) -> None:
+        """Take one request and `tokens` (an estimate) from the served tier's limits; the
+        key then has `requests` more in flight until `finish` is called for each."""
         limits = ticket.key.plan.limits_for(ticket.tier)
         d = self.limiter.take(ticket.key.id, ticket.tier, limits.rpm, limits.tpm, tokens)
         ticket.headers = d.headers
@@ -137,6 +213,7 @@ class Accounts:
                 type=d.limit,
                 headers=d.headers,
             )
+        self.in_flight[ticket.key.id] = self.in_flight.get(ticket.key.id, 0) + requests
 
     def finish(
         self,
@@ -154,6 +231,11 @@ class Accounts:
         """Write the ledger row of an ended request and settle its token estimate. A request
         that failed on the server's side costs nothing."""
         used = input_tokens + output_tokens
+        left = self.in_flight.get(ticket.key.id, 1) - 1
+        if left > 0:
+            self.in_flight[ticket.key.id] = left
+        else:
+            self.in_flight.pop(ticket.key.id, None)
         self.limiter.settle(ticket.key.id, ticket.tier, estimated_tokens, used)
         multiplier = self.lanes[ticket.tier].price_multiplier
         cost = self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier)
@@ -170,5 +252,41 @@ class Accounts:
                 output_tokens=output_tokens,
                 cost=0.0 if status == "error" else cost,
                 **timings,
+            )
+        )
+
+    def record_interrupted(
+        self,
+        request_id: str,
+        key_id: str,
+        tier_requested: str,
+        tier_served: str,
+        model: str,
+        *,
+        input_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+    ) -> bool:
+        """Bill a request the server was killed under (found unfinished when it restarts) for
+        the tokens it had generated, priced like a finished one. Once per request id: False
+        (nothing written) if the ledger already has a row for it."""
+        lane = self.lanes.get(tier_served)
+        multiplier = lane.price_multiplier if lane is not None else 1.0
+        return self.ledger.record_once(
+            LedgerRow(
+                request_id=request_id,
+                key_id=key_id,
+                tier_requested=tier_requested,
+                tier_served=tier_served,
+                model=model,
+                status="interrupted",
+                input_tokens=input_tokens,
+                cached_tokens=cached_tokens,
+                output_tokens=output_tokens,
+                queue_s=None,
+                ttft_s=None,
+                decode_s=None,
+                e2e_s=None,
+                cost=self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier),
             )
         )

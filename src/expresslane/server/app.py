@@ -1,7 +1,8 @@
 """The FastAPI app (`create_app`) and `expresslane serve` (`serve`).
 
 Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics. The server talks to the engine only through `AsyncEngine`.
+/health (alive), /ready (taking work: 503 while starting or draining), /metrics. The server
+talks to the engine only through `AsyncEngine`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ from fastapi.responses import JSONResponse, Response
 
 from expresslane.lanes import build_lanes
 from expresslane.server import chat, completions, responses, websocket
-from expresslane.server.accounts import Accounts
+from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
-from expresslane.server.errors import BodySizeLimit, install_error_handlers
+from expresslane.server.durability import recover
+from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
+from expresslane.server.lifecycle import (
+    DrainGate,
+    DrainingServer,
+    Lifecycle,
+    interrupt_all,
+    readiness,
+)
 from expresslane.server.metering import Prices
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings, engine_options_from_toml
@@ -28,6 +37,7 @@ from expresslane.tool_parsers import detect_tool_parser, get_tool_parser
 
 log = logging.getLogger("expresslane.server")
 DEMO_MODEL_NAME = "expresslane-demo"
+UVICORN_GRACE_S = 2.0
 
 
 def _model_names(async_engine) -> tuple[str, set[str]]:
@@ -60,7 +70,10 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         parser.needs_special_tokens = True  # keep them in the text so calls can be parsed
     lanes = getattr(getattr(async_engine, "engine", None), "lanes", None) or build_lanes(None)
     accounts = Accounts(
-        settings.resolved_accounts_path(), Prices.from_table(settings.prices), lanes
+        settings.resolved_accounts_path(),
+        Prices.from_table(settings.prices),
+        lanes,
+        QueueLimits(settings.max_queued_per_lane, settings.max_in_flight_per_key),
     )
     state = ServerState(
         engine=async_engine,
@@ -73,23 +86,25 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         model_aliases=aliases,
     )
 
+    lifecycle = Lifecycle()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        recover(state.store, accounts)  # what a killed server left running
         yield
-        for job in list(state.jobs.values()):  # whatever outlived the graceful period
-            job.cancel()
-        for job in list(state.jobs.values()):
-            await job.wait()
+        await interrupt_all(state)  # whatever outlived the graceful period: kept, billed
         state.store.close()
         accounts.close()
 
     app = FastAPI(title="expresslane", version="0.1.0", lifespan=lifespan)
     app.state.server = state
+    app.state.lifecycle = lifecycle
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, accounts=accounts)
+    app.add_middleware(DrainGate, lifecycle=lifecycle)
     for module in (responses, websocket, chat, completions):
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERROR_RESPONSES)
 
     def model_card(state: ServerState) -> dict:
         return {
@@ -117,6 +132,13 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
+    @app.get("/ready")
+    async def ready(request: Request):
+        why = readiness(get_state(request), request.app.state.lifecycle)
+        if why is not None:
+            return JSONResponse({"status": why}, status_code=503)
+        return {"status": "ready"}
+
     @app.get("/metrics")
     async def metrics(request: Request):
         body = get_state(request).metrics.render()
@@ -141,8 +163,10 @@ def _merged_engine_options(args, cli_options: dict) -> dict:
 
 
 def serve(args, engine_options: dict) -> int:
-    """`expresslane serve`: load the model, then serve until SIGINT/SIGTERM; in-flight requests
-    get `graceful_shutdown_seconds` to finish, then they are cancelled and their KV freed."""
+    """`expresslane serve`: load the model, then serve until SIGINT/SIGTERM; then the server
+    drains (`lifecycle.py`): new work gets 503, in-flight requests get
+    `graceful_shutdown_seconds` to finish, and responses still running then end incomplete,
+    stored and billed."""
     import uvicorn
 
     from expresslane.config import EngineConfig
@@ -189,10 +213,10 @@ def serve(args, engine_options: dict) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
+        timeout_graceful_shutdown=UVICORN_GRACE_S,  # after the drain: what is left is closing
     )
     try:
-        uvicorn.Server(config).run()
+        DrainingServer(config, app.state.server, app.state.lifecycle).run()
     finally:
         engine.shutdown()
     return 0

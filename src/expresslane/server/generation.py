@@ -18,6 +18,8 @@ from expresslane.errors import ExpresslaneError
 from expresslane.sampling_params import SamplingParams
 from expresslane.server.accounts import Ticket
 from expresslane.server.errors import APIError, from_engine_error
+from expresslane.server.keys import LOCAL_OWNER
+from expresslane.server.limits import off_loop
 from expresslane.server.state import ServerState
 
 log = logging.getLogger("expresslane.server")
@@ -92,14 +94,15 @@ class Generation:
                 self._meter(out.finish_reason or "stop", now)
             yield out
 
-    def abort(self) -> None:
-        """Stop the request (client gone, cancelled); its KV blocks are freed before the
-        engine's next step. Safe to call more than once, or after it finished."""
+    def abort(self, status: str = "abort") -> None:
+        """Stop the request (client gone, cancelled; `status` "interrupted" when the server
+        stops it); its KV blocks are freed before the engine's next step, and its ledger row
+        bills what it used. Safe to call more than once, or after it finished."""
         if self.final is None and not self.aborted:
             self.aborted = True
             self.state.engine.abort(self.request_id)
             self.state.metrics.observe_aborted(self.tier, self.last)
-            self._meter("abort", time.perf_counter())
+            self._meter(status, time.perf_counter())
 
     def _meter(self, status: str, now: float) -> None:
         try:
@@ -175,14 +178,31 @@ def prepare(
     request_id: str,
     names: dict[str, str],
     add_special_tokens: bool = True,
+    cache_salt: str | None = None,
 ) -> Request:
     """Validate and tokenize one prompt for the ticket's lane; errors name the API's fields."""
     try:
         return state.engine.make_request(
-            prompt, params, request_id, ticket.tier, add_special_tokens
+            prompt,
+            params,
+            request_id,
+            ticket.tier,
+            add_special_tokens,
+            cache_salt=prefix_salt(state, ticket, cache_salt),
         )
     except ExpresslaneError as e:
         raise from_engine_error(e, names) from e
+
+
+def prefix_salt(state: ServerState, ticket: Ticket, cache_salt: str | None) -> str | None:
+    """Whose cached prefixes a request may reuse: with API keys only its owner's (a shared
+    prefix cache would let one tenant time another's prompts), unless `share_prefix_cache`
+    is set; within that, only requests with the same `cache_salt`. Open local mode shares."""
+    owner = ticket.owner
+    if owner == LOCAL_OWNER or state.settings.share_prefix_cache:
+        owner = None
+    parts = [part for part in (owner, cache_salt) if part is not None]
+    return "\x00".join(parts) if parts else None
 
 
 def start(
@@ -194,7 +214,7 @@ def start(
         (r.num_prompt_tokens if i % n == 0 else 0) + (r.params.max_tokens or 0)
         for i, r in enumerate(reqs)
     ]
-    state.accounts.charge(ticket, sum(estimates))
+    state.accounts.charge(ticket, sum(estimates), requests=len(reqs))
     gens: list[Generation] = []
     try:
         for i, (req, estimate) in enumerate(zip(reqs, estimates, strict=True)):
@@ -205,7 +225,7 @@ def start(
     return gens
 
 
-def submit_all(
+async def submit_all(
     state: ServerState,
     prompts: list,
     params: list[SamplingParams],
@@ -213,14 +233,20 @@ def submit_all(
     request_id: str,
     received: float,
     n: int = 1,
+    chars: int = 0,
     **kwargs,
 ) -> list[Generation]:
-    """`prepare` every prompt (`request_id-i`), then `start` them; `prompts` holds each
-    prompt `n` times in a row (one per choice)."""
-    reqs = [
-        prepare(state, prompt, p, request_id=f"{request_id}-{i}", **kwargs)
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-    ]
+    """`prepare` every prompt (`request_id-i`; off the event loop when they hold more than
+    a few thousand characters), then `start` them; `prompts` holds each prompt `n` times in
+    a row (one per choice)."""
+
+    def prepare_each() -> list[Request]:
+        return [
+            prepare(state, prompt, p, request_id=f"{request_id}-{i}", **kwargs)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+
+    reqs = await off_loop(prepare_each, chars)
     return start(state, reqs, kwargs["ticket"], received, n)
 
 

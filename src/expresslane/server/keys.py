@@ -24,6 +24,8 @@ from expresslane.lanes import LANE_NAMES
 
 KEY_PREFIX = "el-"
 POLICIES = ("queue", "downgrade", "reject")
+OPEN_ACCESS_ID = "local"  # the id of the key every request has in open local mode
+LOCAL_OWNER = "local"  # who owns what is made in open local mode (and rows older than owners)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -84,9 +86,16 @@ class ApiKey:
     created_at: float
     revoked_at: float | None = None
 
+    @property
+    def owner(self) -> str:
+        """Whose stored responses (and cached prefixes) this key's requests may reach: every key
+        created under one name shares them; open local mode is one owner, `LOCAL_OWNER`. The
+        `key:` prefix keeps a key's name from ever equalling `LOCAL_OWNER`."""
+        return LOCAL_OWNER if self.id == OPEN_ACCESS_ID else f"key:{self.name}"
+
 
 OPEN_ACCESS = ApiKey(
-    id="local",
+    id=OPEN_ACCESS_ID,
     name="open local mode",
     hint="",
     plan=Plan(tiers=list(LANE_NAMES), when_unavailable="queue"),

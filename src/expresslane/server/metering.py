@@ -1,4 +1,6 @@
-"""Metering: one ledger row per finished or cancelled request, priced per tier.
+"""Metering: one ledger row per finished, cancelled or interrupted request, priced per tier.
+(Interrupted: a stored response the server stopped, by a crash or at the end of a graceful
+stop, billed for the tokens it had generated.)
 
 cost = (uncached input × input price + cached input × cached-input price + output × output
 price) / 1M × the serving lane's price multiplier (e.g. ultrafast 6×, flex 0.5×). Prices come
@@ -33,6 +35,7 @@ CREATE TABLE IF NOT EXISTS ledger (
     cost REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS ledger_key_ts ON ledger (key_id, ts);
+CREATE INDEX IF NOT EXISTS ledger_request ON ledger (request_id);
 """
 
 
@@ -70,7 +73,7 @@ class LedgerRow:
     tier_requested: str
     tier_served: str
     model: str
-    status: str  # finish reason: stop, length, abort (cancelled), error
+    status: str  # finish reason: stop, length, abort (cancelled), error, interrupted (restart)
     input_tokens: int
     cached_tokens: int
     output_tokens: int
@@ -102,6 +105,20 @@ class Ledger:
                 [time.time(), *values],
             )
 
+    def record_once(self, row: LedgerRow) -> bool:
+        """Write the row unless the ledger already has one for its request id (one statement,
+        so billing a request twice is impossible); True if it was written."""
+        names = [f.name for f in fields(LedgerRow)]
+        values = [getattr(row, n) for n in names]
+        with self.lock:
+            cur = self.db.execute(
+                f"INSERT INTO ledger (ts, {', '.join(names)}) "
+                f"SELECT ?, {', '.join('?' * len(names))} "
+                "WHERE NOT EXISTS (SELECT 1 FROM ledger WHERE request_id = ?)",
+                [time.time(), *values, row.request_id],
+            )
+        return cur.rowcount == 1
+
     def tokens_since(self, key_id: str, since: float) -> int:
         with self.lock:
             (total,) = self.db.execute(
@@ -116,8 +133,8 @@ class Ledger:
         with self.lock:
             rows = self.db.execute(
                 "SELECT key_id, tier_served, COUNT(DISTINCT request_id), "
-                "SUM(status = 'abort'), SUM(input_tokens), SUM(cached_tokens), "
-                "SUM(output_tokens), SUM(cost), AVG(ttft_s), "
+                "SUM(status = 'abort'), SUM(status = 'interrupted'), SUM(input_tokens), "
+                "SUM(cached_tokens), SUM(output_tokens), SUM(cost), AVG(ttft_s), "
                 "SUM(output_tokens) / NULLIF(SUM(decode_s), 0) "
                 "FROM ledger WHERE ts >= ? GROUP BY key_id, tier_served "
                 "ORDER BY key_id, tier_served",
@@ -128,6 +145,7 @@ class Ledger:
             "tier",
             "requests",
             "cancelled",
+            "interrupted",
             "input_tokens",
             "cached_tokens",
             "output_tokens",

@@ -14,9 +14,12 @@ import asyncio
 import json
 import logging
 
+from expresslane.engine.output import RequestOutput
 from expresslane.server.accounts import Ticket
+from expresslane.server.durability import ProgressClock, mark_interrupted
 from expresslane.server.errors import APIError, invalid
 from expresslane.server.generation import Generation, make_params, prepare, start
+from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
     new_id,
     output_messages,
@@ -24,9 +27,10 @@ from expresslane.server.prompt import (
     responses_input,
     template_tools,
 )
-from expresslane.server.response_builder import ResponseAssembler, base_response
+from expresslane.server.response_builder import ResponseAssembler, base_response, usage
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
+from expresslane.server.store import Origin
 
 log = logging.getLogger("expresslane.server")
 NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
@@ -67,6 +71,9 @@ class EventLog:
 
 
 class ResponseJob:
+    """A running response. Stored ones (`store`) are written when they start, as they progress
+    (see `durability.ProgressClock`) and when they end; `owner` may read them."""
+
     def __init__(
         self,
         state: ServerState,
@@ -92,13 +99,27 @@ class ResponseJob:
         self.task: asyncio.Task | None = None
         self.full_context: list[dict] | None = None  # set when the response completes
         self.warmup = False  # WebSocket `generate: false`: prefill only, no output
+        self.interrupted: tuple[str, str] | None = None  # (reason, message): server stopped it
+        self._progress = ProgressClock()
 
     @property
     def background(self) -> bool:
         return self.response["background"]
 
+    @property
+    def owner(self) -> str:
+        return self.gen.ticket.owner
+
+    def origin(self) -> Origin:
+        t = self.gen.ticket
+        return Origin(
+            t.owner, t.key.id, t.tier_requested, t.tier, self.state.model_name, self.gen.request_id
+        )
+
     def start(self) -> asyncio.Task:
         self.state.jobs[self.id] = self
+        if self.store:
+            self._save(self.response, [])
         self.task = asyncio.get_running_loop().create_task(self.run())
         return self.task
 
@@ -111,23 +132,16 @@ class ResponseJob:
                     final = out
                 if not self.warmup:
                     self.assembler.add(out)
-            error = None
-            if final is not None and final.finish_reason in ("error", "abort"):
-                error = final.error or f"generation ended early ({final.finish_reason})"
-            if self.warmup and error is None:
-                self.assembler.finish_empty(final)
-                self.full_context = self.context + self.new_messages
-            else:
-                self.assembler.finish(final, error)
-            if error is None and not self.warmup:
-                a = self.assembler
-                self.full_context = (
-                    self.context + self.new_messages + output_messages(a.text, a.calls)
-                )
+                    saving = self.store and not out.finished
+                    if saving and self._progress.due(out.num_output_tokens):
+                        self._save_progress(out)
+            self._finish(final)
         except asyncio.CancelledError:
-            self.gen.abort()
-            self.assembler.cancelled(self.gen.last, self.gen.request.num_prompt_tokens)
-            raise
+            if self.interrupted is None:
+                self.gen.abort()
+                self.assembler.cancelled(self.gen.last, self.gen.request.num_prompt_tokens)
+                raise
+            self._stop_interrupted()
         except Exception:
             log.exception("response %s failed", self.id)
             self.assembler.finish(final, "internal server error")
@@ -136,14 +150,50 @@ class ResponseJob:
             self._persist()
             self._forget()
 
-    def _persist(self) -> None:
-        status = self.response["status"]
-        if not self.store or (status == "cancelled" and not self.background):
-            return
+    def _finish(self, final: RequestOutput | None) -> None:
+        error = None
+        if final is not None and final.finish_reason in ("error", "abort"):
+            error = final.error or f"generation ended early ({final.finish_reason})"
+        if self.warmup and error is None:
+            self.assembler.finish_empty(final)
+            self.full_context = self.context + self.new_messages
+        else:
+            self.assembler.finish(final, error)
+        if error is None and not self.warmup:
+            self.full_context = self._conversation(self.assembler.calls)
+
+    def _conversation(self, calls: list) -> list[dict]:
+        return self.context + self.new_messages + output_messages(self.assembler.text, calls)
+
+    def _stop_interrupted(self) -> None:
+        """The server stopped it: incomplete, with its output so far, billed as interrupted."""
+        self.gen.abort("interrupted")
+        spent = usage(self.gen.last)
+        if self.gen.last is None:
+            spent["input_tokens"] = spent["total_tokens"] = self.gen.request.num_prompt_tokens
+        mark_interrupted(self.response, self.interrupted, spent)
+        self.full_context = self._conversation([])
+        self.log.emit({"type": "response.incomplete", "response": self.response})
+
+    def _save_progress(self, out: RequestOutput) -> None:
+        self._save({**self.response, "usage": usage(out)}, self._conversation([]))
+
+    def _save(self, response: dict, context: list[dict]) -> None:
         try:
-            self.state.store.put(self.response, self.items, self.full_context or [])
-        except Exception:
+            self.state.store.put(response, self.items, context, self.origin())
+        except Exception:  # the client's answer matters more than its stored copy
             log.exception("could not store response %s", self.id)
+
+    def _persist(self) -> None:
+        if not self.store:
+            return
+        if self.response["status"] == "cancelled" and not self.background:
+            try:  # a stream its client left is not kept
+                self.state.store.delete(self.id)
+            except Exception:
+                log.exception("could not delete response %s", self.id)
+            return
+        self._save(self.response, self.full_context or [])
 
     def _forget(self) -> None:
         if not self.background:
@@ -154,6 +204,12 @@ class ResponseJob:
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def interrupt(self, why: tuple[str, str]) -> None:
+        """Stop it because the server stops: it ends incomplete (see `durability`)."""
+        if self.task is not None and not self.task.done():
+            self.interrupted = why
             self.task.cancel()
 
     async def wait(self) -> None:
@@ -188,14 +244,19 @@ def _tool_setup(state: ServerState, req: ResponseCreateRequest):
 
 
 def resolve_previous(
-    state: ServerState, rid: str | None, local: dict[str, list[dict]] | None = None
+    state: ServerState,
+    rid: str | None,
+    local: dict[str, list[dict]] | None = None,
+    *,
+    owner: str,
 ) -> list[dict]:
-    """The conversation a previous_response_id ends, from the connection cache or the store."""
+    """The conversation a previous_response_id ends, from the connection cache or the store
+    (only `owner`'s responses: another's answers as if it did not exist)."""
     if rid is None:
         return []
     if local is not None and rid in local:
         return local[rid]
-    stored = state.store.get(rid)
+    stored = state.store.get(rid, owner)
     if stored is None or stored.response["status"] not in ("completed", "incomplete"):
         why = "was not found" if stored is None else f"is {stored.response['status']}"
         raise invalid(
@@ -208,7 +269,7 @@ def resolve_previous(
     return stored.context
 
 
-def prepare_response(
+async def prepare_response(
     state: ServerState,
     req: ResponseCreateRequest,
     *,
@@ -223,7 +284,14 @@ def prepare_response(
     if req.background and not store:
         raise invalid("background mode needs store=true.", param="background")
     tier = ticket.tier
-    context = resolve_previous(state, req.previous_response_id, local)
+    raw_input = req.input if req.input is not None else []
+    chars = state.check_size(
+        items=len(raw_input) if isinstance(raw_input, list) else 1,
+        tools=len(req.tools or []),
+        text=[raw_input, req.instructions],
+        param="input",
+    )
+    context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
     items, new_messages = responses_input(req.input if req.input is not None else [], context)
     tools, choice, parser, prefix = _tool_setup(state, req)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -241,25 +309,32 @@ def prepare_response(
         skip_special_tokens=skip_special,
     )
     rid = new_id("resp")
-    while True:
-        prompt = render(
-            state.tokenizer, system + history, template_tools(tools) if parser else None, prefix
-        )
-        try:
-            engine_req = prepare(
-                state,
-                prompt,
-                params,
-                ticket=ticket,
-                request_id=rid,
-                names=NAMES,
-                add_special_tokens=False,
+
+    def render_and_prepare():
+        turns = history
+        while True:
+            prompt = render(
+                state.tokenizer, system + turns, template_tools(tools) if parser else None, prefix
             )
-            break
-        except APIError as e:  # truncation=auto drops the oldest turns until the prompt fits
-            if req.truncation != "auto" or e.code != "context_length_exceeded" or len(history) <= 1:
-                raise
-            history = history[1:]
+            try:
+                return prepare(
+                    state,
+                    prompt,
+                    params,
+                    ticket=ticket,
+                    request_id=rid,
+                    names=NAMES,
+                    add_special_tokens=False,
+                    cache_salt=req.cache_salt,
+                )
+            except APIError as e:  # truncation=auto drops the oldest turns until it fits
+                if req.truncation != "auto" or e.code != "context_length_exceeded":
+                    raise
+                if len(turns) <= 1:
+                    raise
+                turns = turns[1:]
+
+    engine_req = await off_loop(render_and_prepare, chars + text_size(context))
     (gen,) = start(state, [engine_req], ticket, received)
     response = base_response(
         rid, req, model=model, tier=tier, tools=tools, tool_choice=choice, store=store

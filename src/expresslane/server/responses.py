@@ -10,13 +10,14 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, invalid, not_found
 from expresslane.server.response_job import ResponseJob, prepare_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 async def _sse(job: ResponseJob, after: int = -1):
@@ -30,7 +31,7 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     received = time.perf_counter()
     state = get_state(request)
     ticket = state.admit(request, body.service_tier)
-    job = prepare_response(state, body, received=received, ticket=ticket)
+    job = await prepare_response(state, body, received=received, ticket=ticket)
     snapshot = copy.deepcopy(job.response)
     job.start()
     if body.background:
@@ -48,19 +49,37 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     return JSONResponse(job.response)
 
 
-def _lookup(state: ServerState, response_id: str) -> tuple[ResponseJob | None, dict]:
+def _owner(request: Request) -> str:
+    return request.state.api_key.owner  # set by AuthMiddleware
+
+
+def _not_found(response_id: str) -> APIError:
+    return not_found(
+        f"No response with id '{response_id}' found; only responses created "
+        "with store=true are kept.",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+def _job(state: ServerState, request: Request, response_id: str) -> ResponseJob | None:
+    """The caller's job in memory with this id (another owner's is as good as none)."""
     job = state.jobs.get(response_id)
+    return job if job is not None and job.owner == _owner(request) else None
+
+
+def _lookup(
+    state: ServerState, request: Request, response_id: str
+) -> tuple[ResponseJob | None, dict, list[dict]]:
+    """(job in memory or None, response, input items) of the caller's response; 404 if there
+    is none or it is another owner's (the same answer: ids of others cannot be probed)."""
+    job = _job(state, request, response_id)
     if job is not None:
-        return job, job.response
-    stored = state.store.get(response_id)
+        return job, job.response, job.items
+    stored = state.store.get(response_id, _owner(request))
     if stored is None:
-        raise not_found(
-            f"No response with id '{response_id}' found; only responses created "
-            "with store=true are kept.",
-            param="response_id",
-            code="response_not_found",
-        )
-    return None, stored.response
+        raise _not_found(response_id)
+    return None, stored.response, stored.input_items
 
 
 @router.get("/v1/responses/{response_id}")
@@ -72,7 +91,7 @@ async def retrieve_response(
     include: list[str] | None = Query(None, alias="include[]"),
 ):
     state = get_state(request)
-    job, response = _lookup(state, response_id)
+    job, response, _ = _lookup(state, request, response_id)
     if not stream:
         return JSONResponse(response)
     if job is None:
@@ -87,25 +106,21 @@ async def retrieve_response(
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
     state = get_state(request)
-    job = state.jobs.get(response_id)
+    job = _job(state, request, response_id)
     if job is not None:
         job.cancel()
         await job.wait()
         state.jobs.pop(response_id, None)
-    deleted = state.store.delete(response_id)
+    deleted = state.store.delete(response_id, _owner(request))
     if not deleted and job is None:
-        raise not_found(
-            f"No response with id '{response_id}' found.",
-            param="response_id",
-            code="response_not_found",
-        )
+        raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request):
     state = get_state(request)
-    job, response = _lookup(state, response_id)
+    job, response, _ = _lookup(state, request, response_id)
     if not response.get("background"):
         raise invalid(
             "Only responses created with background=true can be cancelled.",
@@ -128,19 +143,7 @@ async def list_input_items(
     after: str | None = None,
     include: list[str] | None = Query(None, alias="include[]"),
 ):
-    state = get_state(request)
-    job = state.jobs.get(response_id)
-    if job is not None:
-        items = job.items
-    else:
-        stored = state.store.get(response_id)
-        if stored is None:
-            raise not_found(
-                f"No response with id '{response_id}' found.",
-                param="response_id",
-                code="response_not_found",
-            )
-        items = stored.input_items
+    _, _, items = _lookup(get_state(request), request, response_id)
     items = list(reversed(items)) if order == "desc" else list(items)
     if after is not None:
         ids = [it.get("id") for it in items]

@@ -1,8 +1,17 @@
-"""The response store (SQLite): responses created with `store: true`, their input items, and
-the conversation they end (the chat messages a `previous_response_id` continuation re-renders).
+"""The response store (SQLite): responses created with `store: true`, their input items, the
+conversation they end (the chat messages a `previous_response_id` continuation re-renders),
+and who made them (owner, key, tiers, model, request id: what ownership checks and billing
+after a crash need).
 
-`":memory:"` keeps everything in memory (tests). Writes are small and run on the event loop
-under a lock; the file uses WAL so readers never block it.
+A response is written when it is created, again as it progresses and when it ends. Writes go
+through `StoreWriter`, a thread that commits them in batches (latest state per response wins),
+so no SQLite write or fsync runs on the event loop; reads see pending writes first, so a
+response is readable the moment it is put. Files use WAL with `synchronous=FULL` on the writing
+connection: a committed write survives `kill -9` (any synchronous setting does, in WAL) and
+power loss too, and batching keeps the fsyncs to about one per batch. `":memory:"` keeps
+everything in memory (tests).
+
+Old files gain the origin columns on open; their rows belong to the local owner.
 """
 
 from __future__ import annotations
@@ -12,7 +21,10 @@ import os
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field, fields
+
+from expresslane.server.keys import LOCAL_OWNER, OPEN_ACCESS_ID
+from expresslane.server.store_writer import StoreWriter
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -25,6 +37,24 @@ CREATE TABLE IF NOT EXISTS responses (
     context TEXT NOT NULL
 )
 """
+BASE_COLUMNS = ("id", "created_at", "updated_at", "status", "response", "input_items", "context")
+UNFINISHED = ("queued", "in_progress")
+
+
+@dataclass
+class Origin:
+    """Who made a stored response and how its tokens are billed."""
+
+    owner: str = LOCAL_OWNER
+    key_id: str = OPEN_ACCESS_ID
+    tier_requested: str = "default"
+    tier_served: str = "default"
+    model: str = ""
+    request_id: str = ""
+
+
+ORIGIN_COLUMNS = tuple(f.name for f in fields(Origin))
+COLUMNS = BASE_COLUMNS + ORIGIN_COLUMNS
 
 
 @dataclass
@@ -32,6 +62,43 @@ class StoredResponse:
     response: dict
     input_items: list[dict]
     context: list[dict]  # chat messages up to and including this response's output
+    origin: Origin = field(default_factory=Origin)
+
+    @property
+    def owner(self) -> str:
+        return self.origin.owner
+
+
+def _connect(path: str, synchronous: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    if path != ":memory:":
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+    return db
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Create the table, and add the origin columns a file made before them lacks (old rows
+    get the defaults: the local owner)."""
+    db.execute(SCHEMA)
+    have = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+    for f in fields(Origin):
+        if f.name not in have:
+            default = str(f.default).replace("'", "''")
+            db.execute(
+                f"ALTER TABLE responses ADD COLUMN {f.name} TEXT NOT NULL DEFAULT '{default}'"
+            )
+    db.execute("CREATE INDEX IF NOT EXISTS responses_status ON responses (status)")
+
+
+def _decode(row: tuple) -> StoredResponse:
+    values = dict(zip(COLUMNS, row, strict=True))
+    return StoredResponse(
+        json.loads(values["response"]),
+        json.loads(values["input_items"]),
+        json.loads(values["context"]),
+        Origin(*(values[c] for c in ORIGIN_COLUMNS)),
+    )
 
 
 class ResponseStore:
@@ -39,48 +106,85 @@ class ResponseStore:
         self.path = path
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        if path != ":memory:":
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(SCHEMA)
-        self._lock = threading.Lock()
+        write_db = _connect(path, "FULL")
+        migrate(write_db)
+        self._write_lock = threading.Lock()
+        if path == ":memory:":  # one database, shared by both sides
+            self._read_db, self._read_lock = write_db, self._write_lock
+        else:  # WAL: a reader never waits for the writer's fsync
+            self._read_db, self._read_lock = _connect(path, "NORMAL"), threading.Lock()
+        self._writer = StoreWriter(write_db, self._write_lock, COLUMNS)
 
-    def put(self, response: dict, input_items: list[dict], context: list[dict]) -> None:
+    def put(
+        self,
+        response: dict,
+        input_items: list[dict],
+        context: list[dict],
+        origin: Origin | None = None,
+    ) -> None:
+        """Store the response as it is now (a snapshot: later changes to the dicts are not
+        seen); readable at once, committed shortly after."""
         now = time.time()
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    response["id"],
-                    response.get("created_at", now),
-                    now,
-                    response["status"],
-                    json.dumps(response),
-                    json.dumps(input_items),
-                    json.dumps(context),
-                ),
-            )
+        row = (
+            response["id"],
+            response.get("created_at", now),
+            now,
+            response["status"],
+            json.dumps(response),
+            json.dumps(input_items),
+            json.dumps(context),
+            *astuple(origin or Origin()),
+        )
+        self._writer.put(response["id"], row)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT response, input_items, context FROM responses WHERE id = ?",
-                (response_id,),
-            ).fetchone()
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The stored response, or None if there is none, or if `owner` is given and it is
+        someone else's (the same answer, so ids of others cannot be probed)."""
+        pending, row = self._writer.pending(response_id)
+        if not pending:
+            with self._read_lock:
+                row = self._read_db.execute(
+                    f"SELECT {', '.join(COLUMNS)} FROM responses WHERE id = ?", (response_id,)
+                ).fetchone()
         if row is None:
             return None
-        return StoredResponse(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]))
+        stored = _decode(row)
+        if owner is not None and stored.owner != owner:
+            return None
+        return stored
 
-    def delete(self, response_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-        return cur.rowcount > 0
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        """Delete the response; False if `get(response_id, owner)` would find none."""
+        if self.get(response_id, owner) is None:
+            return False
+        self._writer.put(response_id, None)
+        return True
+
+    def unfinished(self) -> list[StoredResponse]:
+        """Responses left queued or in progress (after a crash, when the server starts)."""
+        self.flush()
+        marks = ", ".join("?" * len(UNFINISHED))
+        with self._read_lock:
+            rows = self._read_db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM responses WHERE status IN ({marks})",
+                UNFINISHED,
+            ).fetchall()
+        return [_decode(r) for r in rows]
+
+    def flush(self) -> None:
+        """Wait until every write put so far is committed."""
+        self._writer.flush()
 
     def __len__(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+        self.flush()
+        with self._read_lock:
+            return self._read_db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        """Commit what is pending, then close."""
+        self._writer.close()
+        with self._read_lock:
+            self._read_db.close()
+        if self._read_db is not self._writer.db:
+            with self._write_lock:
+                self._writer.db.close()

@@ -7,7 +7,9 @@ its latest response, so `previous_response_id` works with `store: false`; a fail
 continuation evicts the id it continued from. Errors are `{"type": "error", "status",
 "error": {type, code, message, param}}` and the socket stays open. After
 `websocket_max_connection_seconds` the server sends `websocket_connection_limit_reached` and
-closes (1000); a disconnect aborts the response in flight and frees its KV blocks.
+closes (1000); a disconnect aborts the response in flight and frees its KV blocks. While the
+server drains (`lifecycle.py`) a new message gets a 503 `server_shutting_down` error.
+`previous_response_id` reaches only the key owner's stored responses (`resolve_previous`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from expresslane.server import body
 from expresslane.server.errors import APIError, internal_error, invalid, validation_error
+from expresslane.server.lifecycle import refusal
 from expresslane.server.response_job import prepare_response
 from expresslane.server.schemas import WsResponseCreate
 from expresslane.server.state import ServerState
@@ -94,7 +98,7 @@ class Connection:
         data: dict = {}
         try:
             try:
-                parsed = json.loads(text)
+                parsed = body.loads(text)
             except json.JSONDecodeError as e:
                 raise invalid(
                     f"Could not parse the message as JSON: {e}.", code="invalid_json"
@@ -117,10 +121,12 @@ class Connection:
                 req = WsResponseCreate.model_validate(data)
             except ValidationError as e:
                 raise validation_error(list(e.errors(include_url=False))) from e
+            if self.ws.app.state.lifecycle.draining:
+                raise refusal()
             ticket = self.state.accounts.admit(
                 self.ws.state.api_key, req.service_tier, self.state.engine.lane_load
             )
-            job = prepare_response(
+            job = await prepare_response(
                 self.state,
                 req,
                 received=received,
@@ -132,6 +138,11 @@ class Connection:
         except APIError as err:
             self._evict(data)
             await self.send_error(err, extra)
+            return
+        except Exception:  # a bug in one message must not cost the connection
+            log.exception("WebSocket message failed")
+            self._evict(data)
+            await self.send_error(internal_error(), extra)
             return
         job.start()
         try:
