@@ -68,6 +68,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def longest_token_chars(self) -> int:
+        """The most characters one token decodes to (bounds the tokens a text needs)."""
+        return max((len(piece) for piece in self._tok.get_vocab()), default=1) or 1
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -10,15 +10,17 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.server.body import StrictJSONRoute
 from expresslane.server.chat_choice import Choice, chat_usage, check_finished
 from expresslane.server.errors import APIError, invalid
 from expresslane.server.generation import abort_all, make_params, merged, submit_all
+from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 NAMES = {"max_tokens": "max_completion_tokens", "prompt": "messages", "logprobs": "top_logprobs"}
 
 
@@ -28,6 +30,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state: ServerState = get_state(request)
     model = state.check_model(body.model)
     check_unsupported(body)
+    chars = state.check_size(
+        items=len(body.messages), tools=len(body.tools or []), text=body.messages, param="messages"
+    )
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     ticket = state.admit(request, body.service_tier)
@@ -54,12 +59,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise invalid("tool_choice 'required' needs at least one tool.", param="tool_choice")
     parser = state.tool_parser if tools and choice != "none" else None
     prefix = parser.forced_prefix(forced) if parser and (forced or choice == "required") else ""
-    prompt = render(
-        state.tokenizer,
-        messages,
-        template_tools(tools) if parser else None,
-        prefix,
-        param="messages",
+    template = template_tools(tools) if parser else None
+    prompt = await off_loop(
+        lambda: render(state.tokenizer, messages, template, prefix, param="messages"), chars
     )
     skip = body.skip_special_tokens
     if skip is None and parser is not None and parser.needs_special_tokens:
@@ -78,7 +80,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for i in range(n)
     ]
     cid = "chatcmpl-" + uuid.uuid4().hex
-    gens = submit_all(
+    gens = await submit_all(
         state,
         [prompt] * n,
         params,
@@ -87,7 +89,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         names=names,
         received=received,
         n=n,
+        chars=chars,
         add_special_tokens=False,
+        cache_salt=body.cache_salt,
     )
     choices = [
         Choice(

@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, invalid
 from expresslane.server.generation import abort_all, make_params, merged, submit_all
 from expresslane.server.logprobs import completion_logprobs
@@ -17,7 +18,7 @@ from expresslane.server.schemas import CompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 NAMES = {"max_tokens": "max_tokens", "prompt": "prompt", "logprobs": "logprobs"}
 
 
@@ -29,6 +30,27 @@ def _prompts(prompt) -> list[str | list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
+
+
+def _check_prompts(state: ServerState, prompts: list[str | list[int]]) -> int:
+    """Size limits and token-id ranges, before any work; returns the characters of text."""
+    chars = state.check_size(items=len(prompts), tools=0, text=prompts, param="prompt")
+    vocab = state.vocab_size
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            continue
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if state.max_model_len is not None and len(p) > state.max_model_len:
+            raise APIError(
+                400,
+                f"'{param}' has {len(p)} tokens but this model's context is "
+                f"{state.max_model_len} tokens (prompt plus output); shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if vocab is not None and any(not 0 <= t < vocab for t in p):
+            raise invalid(f"token ids in '{param}' must be in [0, {vocab}).", param=param)
+    return chars
 
 
 class _Choice:
@@ -99,8 +121,9 @@ async def completions(body: CompletionRequest, request: Request):
             param="best_of",
             code="unsupported_parameter",
         )
-    ticket = state.admit(request, body.service_tier)
     prompts = _prompts(body.prompt)
+    chars = _check_prompts(state, prompts)
+    ticket = state.admit(request, body.service_tier)
     all_prompts, params, echoes = [], [], []
     tok = state.tokenizer
     for p in prompts:
@@ -121,7 +144,7 @@ async def completions(body: CompletionRequest, request: Request):
                 )
             )
     cid = "cmpl-" + uuid.uuid4().hex
-    gens = submit_all(
+    gens = await submit_all(
         state,
         all_prompts,
         params,
@@ -130,6 +153,8 @@ async def completions(body: CompletionRequest, request: Request):
         names=NAMES,
         received=received,
         n=n,
+        chars=chars * n,
+        cache_salt=body.cache_salt,
     )
     choices = [_Choice(i, echoes[i], body.logprobs is not None) for i in range(len(gens))]
     base = {

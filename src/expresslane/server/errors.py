@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +28,38 @@ _TYPES = {
     409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+def _documented(status: int, description: str) -> dict:
+    return {"model": ErrorBody, "description": description}
+
+
+# What the API routes answer besides success, for the OpenAPI document.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    400: _documented(400, "Invalid request: the message and `param` name what to fix."),
+    401: _documented(401, "Missing, unknown or revoked API key."),
+    403: _documented(403, "The API key may not use the asked tier."),
+    404: _documented(404, "Unknown model or response id (or another key's response)."),
+    413: _documented(413, "The request body is over the server's size limit."),
+    429: _documented(
+        429, "Rate limit, quota or queue full; `Retry-After` and `x-ratelimit-*` headers."
+    ),
+    503: _documented(503, "The server is starting or shutting down; retry elsewhere or later."),
 }
 
 

@@ -102,6 +102,19 @@ class RateLimiter:
         headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
         return Decision(False, wait, headers, limit=worst)
 
+    def peek(self, key_id: str, tier: str, rpm: int | None, tpm: int | None) -> dict[str, str]:
+        """The `x-ratelimit-*` headers of a key's buckets as they stand, taking nothing."""
+        now = time.monotonic()
+        with self._lock:
+            buckets = {
+                "requests": (self._bucket(key_id, tier, "requests", rpm), 1),
+                "tokens": (self._bucket(key_id, tier, "tokens", tpm), 0),
+            }
+            for b, _ in buckets.values():
+                if b is not None:
+                    b.refill(now)
+            return self._headers(buckets)
+
     def settle(self, key_id: str, tier: str, estimated: int, used: int) -> None:
         """Correct a request's token estimate to what it really used."""
         with self._lock:

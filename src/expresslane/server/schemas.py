@@ -26,6 +26,9 @@ class EngineExtras(Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # isolates this request's prefix-cache entries: only requests with the same salt (and, with
+    # API keys, the same owner) share cached prefixes (vLLM's name)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class StreamOptions(Strict):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
 from expresslane.server.accounts import Accounts, Ticket
 from expresslane.server.errors import not_found
+from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings
 from expresslane.server.store import ResponseStore
@@ -36,6 +39,29 @@ class ServerState:
     def max_model_len(self) -> int | None:
         eng = getattr(self.engine, "engine", None)
         return getattr(eng, "max_model_len", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        eng = getattr(self.engine, "engine", None)
+        return getattr(getattr(eng, "model_config", None), "vocab_size", None)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters of prompt text a request may carry (see `limits.py`)."""
+        if self.settings.max_prompt_chars is not None:
+            return self.settings.max_prompt_chars
+        tokenizer, context = self.tokenizer, self.max_model_len
+        if tokenizer is None or context is None:
+            return None
+        return context * tokenizer.longest_token_chars()
+
+    def check_size(self, *, items: int, tools: int, text: Any, param: str) -> int:
+        """400 for a request over the size limits, before any work; returns its characters."""
+        check_count(items, self.settings.max_input_items, param, "items")
+        check_count(tools, self.settings.max_tools, "tools", "tools")
+        chars = text_size(text)
+        check_chars(chars, self.max_prompt_chars, param)
+        return chars
 
     def check_model(self, model: str | None) -> str:
         """The served model's id; 404 for a model this server does not serve."""
