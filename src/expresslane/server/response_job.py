@@ -199,8 +199,14 @@ class ResponseJob:
         if not self.background:
             self.state.jobs.pop(self.id, None)
             return
-        keep = self.state.settings.background_retention_seconds
-        asyncio.get_running_loop().call_later(keep, self.state.jobs.pop, self.id, None)
+        settings = self.state.settings
+        asyncio.get_running_loop().call_later(
+            settings.background_retention_seconds, self.state.jobs.pop, self.id, None
+        )
+        jobs = self.state.jobs.items()
+        finished = [rid for rid, job in jobs if job.task is not None and job.task.done()]
+        for rid in finished[: max(0, len(finished) - settings.background_retention_count)]:
+            self.state.jobs.pop(rid, None)  # the oldest first: their events stay in the store
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():

@@ -54,6 +54,7 @@ class ServerSettings:
     tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral
     graceful_shutdown_seconds: float = 30.0  # how long in-flight requests may finish
     background_retention_seconds: float = 600.0  # finished background jobs kept in memory
+    background_retention_count: int = 1000  # at most this many of them
     log_level: str = "info"
 
     prices: dict | None = None  # the [prices] table: base prices per 1M tokens
