@@ -7,8 +7,8 @@ from expresslane.engine.request import Request
 from expresslane.sampling_params import SamplingParams
 
 
-def req(ids, rid="r"):
-    return Request(rid, ids, SamplingParams(), max_tokens=16)
+def req(ids, rid="r", salt=None):
+    return Request(rid, list(ids), SamplingParams(), max_tokens=16, cache_salt=salt)
 
 
 def computed(kv: KVCacheManager, r: Request) -> Request:
@@ -72,3 +72,45 @@ def test_trim_rolls_back_blocks():
     assert len(r.block_ids) == 4
     kv.trim(r, 6)
     assert len(r.block_ids) == 2 and kv.num_free_blocks == 6
+
+
+def test_cache_salt_starts_its_own_hash_chain():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = computed(kv, req(range(9), "shared"))
+    shared = first.block_ids[:2]
+    kv.release(first)
+    second = req(range(9), "salted", salt="tenant-1")
+    assert kv.acquire_prefix(second) == 0  # the unsalted blocks are no hit
+    salted = computed(kv, second).block_ids[:2]
+    assert not set(salted) & set(shared)
+    kv.release(second)
+    assert kv.acquire_prefix(req(range(9), "other", salt="tenant-2")) == 0
+    same = req(range(9), "same", salt="tenant-1")
+    assert kv.acquire_prefix(same) == 8 and same.block_ids == salted
+    plain = req(range(9), "plain")
+    assert kv.acquire_prefix(plain) == 8 and plain.block_ids == shared
+
+
+def test_requests_with_different_salts_share_no_cached_prompt(llama_dir):
+    from expresslane import LLM
+
+    engine = LLM(str(llama_dir), dtype="float32").engine
+    prompt = list(range(3, 60))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(salt):
+        r = engine.make_request(prompt, params, cache_salt=salt)
+        engine.add(r)
+        while engine.has_unfinished():
+            engine.step()
+        return r
+
+    first = run("alice")
+    assert first.num_cached_tokens == 0
+    other = run("bob")
+    assert other.num_cached_tokens == 0  # alice's prompt is cached, not for bob
+    assert run("alice").num_cached_tokens == 48  # three full blocks of 16
+    assert run(None).num_cached_tokens == 0
+    assert run(None).num_cached_tokens == 48
+    assert other.output_token_ids == first.output_token_ids
+    assert engine.kv.num_used_blocks == 0

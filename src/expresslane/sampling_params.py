@@ -1,10 +1,36 @@
-"""Per-request sampling and stopping options, validated on construction."""
+"""Per-request sampling and stopping options, validated on construction.
+
+Every option is range-checked here (and against the model's vocabulary in
+`LLMEngine.make_request`), so that no value a client sends can make an engine step raise."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from expresslane.errors import InvalidRequestError
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_LOGPROBS = 20
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise InvalidRequestError(f"{name} must be an integer {bound}, got {value!r}", param=name)
+
+
+def _check_real(name: str, value, ok, bound: str) -> None:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real or not math.isfinite(value) or not ok(value):
+        raise InvalidRequestError(f"{name} must be {bound}, got {value!r}", param=name)
 
 
 @dataclass
@@ -34,35 +60,45 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)  # at most max_tokens
+        _check_real(
+            "temperature",
+            self.temperature,
+            lambda t: 0.0 <= t <= 100.0,
+            "a number between 0 and 100 (0 is greedy)",
+        )
+        _check_real("top_p", self.top_p, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
-            )
-        if self.min_tokens < 0 or (
-            self.max_tokens is not None and self.min_tokens > self.max_tokens
-        ):
-            raise InvalidRequestError(
-                f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}",
-                param="min_tokens",
-            )
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(
-                f"temperature must be between 0 and 100 (0 is greedy), got {self.temperature}",
-                param="temperature",
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k}",
+                f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k!r}",
                 param="top_k",
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
-                f"logprobs must be between 0 and 20, got {self.logprobs}", param="logprobs"
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                param="stop",
             )
-        if len(self.stop) > 16:
-            raise InvalidRequestError("at most 16 stop strings are allowed", param="stop")
+        for s in self.stop:
+            if not isinstance(s, str) or len(s) > MAX_STOP_CHARS:
+                raise InvalidRequestError(
+                    f"each stop string must be a string of at most {MAX_STOP_CHARS} characters",
+                    param="stop",
+                )
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequestError(
+                    f"stop_token_ids must be non-negative token ids, got {t!r}",
+                    param="stop_token_ids",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -3,8 +3,9 @@
 The model step runs on its own thread (PyTorch releases the GIL while it computes), so the
 server's event loop stays responsive. Requests are validated and tokenized on the caller's
 side (`make_request`), so bad input fails fast with an `InvalidRequestError` and never reaches
-the loop. `abort(request_id)` takes effect before the next step: the request's KV blocks are
-released and its stream ends with finish_reason "abort".
+the loop; a step that raises all the same fails only the requests that make it raise
+(engine/isolation.py). `abort(request_id)` takes effect before the next step: the request's KV
+blocks are released and its stream ends with finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -82,12 +83,18 @@ class AsyncEngine:
         request_id: str | None = None,
         lane: str = "default",
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and enqueue; must be called from a running event loop."""
-        return self.enqueue(self.make_request(prompt, params, request_id, lane, add_special_tokens))
+        return self.enqueue(
+            self.make_request(
+                prompt, params, request_id, lane, add_special_tokens, cache_salt=cache_salt
+            )
+        )
 
     def make_request(self, *args, **kwargs) -> Request:
-        """Validate and tokenize without enqueuing (raises InvalidRequestError)."""
+        """Validate and tokenize without enqueuing (raises InvalidRequestError); the
+        arguments of `LLMEngine.make_request`, `cache_salt` included."""
         return self.engine.make_request(*args, **kwargs)
 
     def enqueue(self, req: Request) -> RequestStream:
@@ -174,8 +181,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = eng.step()
-            except Exception as e:  # a bug must not hang every client: fail them all
-                log.exception("engine step failed")
-                outputs = eng.fail_all(f"internal engine error: {type(e).__name__}")
+            except Exception as e:  # outside the model step's isolation: a bug in the engine
+                log.exception("engine step failed")  # must not hang every client
+                outputs = eng.fail_all(f"internal engine error: {type(e).__name__}: {e}")
             self._deliver(outputs)
         self._deliver(self._drain_inbox())

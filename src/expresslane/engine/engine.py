@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -12,14 +13,16 @@ import torch
 
 from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
+from expresslane.engine.admission import check_params, tokenize
 from expresslane.engine.guesses import GuessPlanner
+from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput, TextState
 from expresslane.engine.request import Request
 from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
 from expresslane.engine.scheduler import Scheduler
 from expresslane.engine.step_model import StepLatencyModel
-from expresslane.errors import ContextLengthExceeded, InvalidRequestError
+from expresslane.errors import InvalidRequestError
 from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
@@ -139,44 +142,23 @@ class LLMEngine:
         request_id: str | None = None,
         lane: str = "default",
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises InvalidRequestError. Touches no engine state, so
-        it is safe to call from another thread."""
+        it is safe to call from another thread. Requests share cached prompt prefixes only
+        with requests of the same `cache_salt` (None: with every request without one)."""
         spec = self.lanes.get(lane)
         if spec is None or not spec.enabled:
             enabled = [name for name, la in self.lanes.items() if la.enabled]
             raise InvalidRequestError(
                 f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
             )
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: pass token ids", param="prompt"
-                )
-            ids, text = self.tokenizer.encode(prompt, add_special_tokens), prompt
-        else:
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(
-                    f"token ids must be integers in [0, {vocab})", param="prompt"
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        vocab = self.model_config.vocab_size
+        ids, text = tokenize(self.tokenizer, vocab, prompt, add_special_tokens)
+        params = check_params(params, len(ids), self.max_model_len, vocab)
         room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens but this model's context is "
-                f"{self.max_model_len} tokens (prompt plus output); shorten the prompt",
-                param="prompt",
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ContextLengthExceeded(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"this model's context of {self.max_model_len} tokens; lower max_tokens to at "
-                f"most {room}",
-                param="max_tokens",
-            )
         req = Request(
             request_id if request_id is not None else f"req-{next(_ids)}",
             ids,
@@ -186,6 +168,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prompt=text,
             max_tokens=params.max_tokens or room,
+            cache_salt=cache_salt,
         )
         if self.tokenizer is not None:
             req.detok = TextState(self.tokenizer, req)
@@ -194,6 +177,10 @@ class LLMEngine:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
+        if req.lane not in self.lanes or req.priority not in self.scheduler.rank_lane:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: unknown lane {req.lane!r} or rank {req.priority}"
+            )
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -226,7 +213,7 @@ class LLMEngine:
         if not self._targets_resolved and self.step_model.ready:
             self._resolve_targets()
         if self.proposers:
-            self.guesses.propose(self.scheduler.running)
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
@@ -239,27 +226,72 @@ class LLMEngine:
         # a request's first guesses include a draft model's prefill of its prompt: a one-time
         # cost (like the target's prefill), not what a step with guesses costs
         first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
-        samples, result = self.runner.step(batch.items)
-        for req, n in batch.items:
+        run = run_isolated(self.runner.step, batch.items)  # without the requests that raise
+        outputs = self._fail_step_errors(run)
+        for req, n in run.items:
             req.num_computed_tokens += n - len(req.draft_ids)
-        outputs: list[RequestOutput] = []
         row = emitted = 0
-        for req, rows in samples:
-            accepted = self._accept(req, result, row, rows)
+        for req, rows in run.samples:
+            outputs.append(self._emit(req, run.result, row, rows))
             row += rows
-            emitted += accepted
-            outputs.append(self.outputs.make_output(req, accepted))
-        for req, _ in batch.items:
-            self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
+            emitted += len(outputs[-1].new_token_ids)
+        for req, _ in run.items:
+            if req.finish_reason != "error":  # a request that failed may hold partial KV
+                self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
             if req.is_finished:
                 self._remove(req)
                 self.requests.pop(req.request_id, None)
+        if not run.clean:
+            return outputs  # retries are no measure of what a step costs
         seconds = time.perf_counter() - start
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
         decodes_only = batch.num_tokens == len(batch.items) + guesses
         if self.proposers and decodes_only and not first_guesses:
             self.spec_payoff.record(len(batch.items), guesses > 0, seconds, emitted)
         return outputs
+
+    # -- faults -------------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Guess the next tokens. Guesses are optional: when a proposer raises, this step
+        runs without any (a proposer's per-request state is synced again before its next
+        proposal)."""
+        try:
+            self.guesses.propose(self.scheduler.running)
+        except Exception:
+            log.exception("speculative proposal failed: the step runs without guesses")
+            for req in self.scheduler.running:
+                req.keep_guesses(0)
+                req.draft_probs = None
+
+    def _emit(self, req: Request, result, row: int, rows: int) -> RequestOutput:
+        """The request's output for its sampled rows; an error output, for this request
+        only, if taking them raises."""
+        try:
+            return self.outputs.make_output(req, self._accept(req, result, row, rows))
+        except Exception as e:
+            log.exception("request %s: accepting its tokens failed", req.request_id)
+            self.outputs.finish(req, "error")
+            return self.outputs.make_output(req, 0, error=request_error(e))
+
+    def _fail_step_errors(self, run: StepRun) -> list[RequestOutput]:
+        """End the requests the model step raised for. When every request of the batch
+        failed alone (a device fault), also drop what the prefix cache holds."""
+        outputs = [self._fail(req, run.error_message(e)) for req, e in run.failed]
+        if run.device_fault:
+            log.error("every request of the step failed: dropping the prefix cache")
+            self.kv.drop_cached_prefixes()
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.empty_cache()
+        return outputs
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """End a request with an error; its blocks go back to the pool."""
+        self._remove(req)
+        self.requests.pop(req.request_id, None)
+        self.outputs.finish(req, "error")
+        return self.outputs.make_output(req, 0, error=message)
 
     def _observe(self, seqs: int, tokens: int, context: int, seconds: float) -> None:
         if self._calibrating:
@@ -343,11 +375,11 @@ class LLMEngine:
         self._targets_resolved = True
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with an error (used when a step raised)."""
-        outs = []
-        for req in list(self.requests.values()):
-            self._remove(req)
-            self.outputs.finish(req, "error")
-            outs.append(self.outputs.make_output(req, 0, error=message))
-        self.requests.clear()
+        """Finish every request with an error (when a step raised outside the model step's
+        isolation), then start over from an empty KV pool, so that the next requests find
+        none of the bookkeeping the failed step may have left half done."""
+        outs = [self._fail(req, message) for req in list(self.requests.values())]
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.kv.reset()
         return outs

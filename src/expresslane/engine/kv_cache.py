@@ -1,5 +1,6 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks, reference counts, and a
-prefix cache keyed by a hash chain over full blocks.
+prefix cache keyed by a hash chain over full blocks. A request's chain starts from its
+`cache_salt` (None: the shared root), so requests with different salts never share blocks.
 
 A block whose reference count drops to zero goes back to the free queue but keeps its
 contents and hash, so a later request with the same prefix can revive it. Free blocks are
@@ -23,7 +24,7 @@ class Block:
         self.tokens: tuple[int, ...] | None = None
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+def chain_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
@@ -59,7 +60,8 @@ class KVCacheManager:
             i = len(hashes)
             hashes.append(
                 chain_hash(
-                    hashes[-1] if hashes else None, tuple(req.token_ids[i * bs : (i + 1) * bs])
+                    hashes[-1] if hashes else req.cache_salt,
+                    tuple(req.token_ids[i * bs : (i + 1) * bs]),
                 )
             )
         return hashes
@@ -105,6 +107,23 @@ class KVCacheManager:
             block.hash = h
             block.tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             self.cached[h] = block.id
+
+    def drop_cached_prefixes(self) -> None:
+        """Forget the contents of every free block (after a device fault, a cached block's
+        contents are not trusted); blocks that requests hold keep theirs."""
+        for h, block_id in list(self.cached.items()):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached[h]
+                block.hash = block.tokens = None
+
+    def reset(self) -> None:
+        """Every block free and nothing cached (when no request holds blocks any more)."""
+        for block in self.blocks:
+            block.ref_count = 0
+            block.hash = block.tokens = None
+        self.free = OrderedDict((i, None) for i in range(len(self.blocks)))
+        self.cached = {}
 
     # -- allocation ---------------------------------------------------------------------
 

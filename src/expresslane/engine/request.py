@@ -58,6 +58,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         prompt: str | None = None,
         max_tokens: int,
+        cache_salt: str | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -79,6 +80,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
+        self.cache_salt = cache_salt  # the chain's root: only equal salts share cached blocks
         self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
         self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
         self.draft_kind = 0  # the proposal's kind (spec/proposal.py)

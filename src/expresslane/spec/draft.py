@@ -49,7 +49,9 @@ class Shadow(Request):
         params = SamplingParams(
             max_tokens=None, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed
         )
-        super().__init__(req.request_id, req.token_ids, params, max_tokens=1)
+        super().__init__(
+            req.request_id, req.token_ids, params, max_tokens=1, cache_salt=req.cache_salt
+        )
         self.synced = len(req.token_ids)  # the request's length when last synced
 
 
