@@ -12,7 +12,8 @@ unknown fields, bad tiers, extreme sampling parameters and stop lists, tools wit
 some are not JSON at all.
 
 Beside them, good clients run correct requests the whole time (Responses streams in each tier,
-a chat stream, a WebSocket conversation) and /health is polled.
+a chat stream, a WebSocket conversation; alone for `--baseline-seconds` first, to show their
+latency without fuzzing) and /health is polled.
 
 Reported: answers by status, every 5xx (and every stream that failed inside with a server
 error) with the exact request, requests that got no answer, good requests failed and those
@@ -810,7 +811,9 @@ async def fuzz(server: ServerProcess, args) -> dict:
             asyncio.create_task(good_chat(server, http, stop, good, args)),
             asyncio.create_task(good_ws(server, stop, good, stats, args)),
         ]
-        await asyncio.sleep(2)  # the good clients' first answers set their reference texts
+        # Good clients alone first: their latency without fuzzing, and their reference texts.
+        await asyncio.sleep(args.baseline_seconds)
+        fuzz_start = time.perf_counter() - t0
         indices = [args.only] if args.only is not None else range(args.requests)
         tasks = [asyncio.create_task(produce(fuzzer, indices, queues, workers))]
         tasks += [
@@ -832,15 +835,17 @@ async def fuzz(server: ServerProcess, args) -> dict:
     return {
         "stats": stats,
         "good": good,
+        "fuzz_start_s": fuzz_start,
         "health": health,
         "wall_s": time.perf_counter() - t0,
         "unfinished_workers": len(pending),
     }
 
 
-def good_summary(good: Good) -> dict:
+def good_summary(records: list[dict], changed: list[dict]) -> dict:
+    """Failures, and answers slower than their kind's median + 2 s, per kind of good client."""
     kinds: dict[str, list[dict]] = {}
-    for r in good.records:
+    for r in records:
         kinds.setdefault(r["kind"], []).append(r)
     out, failed, delayed = {}, [], []
     for kind, recs in sorted(kinds.items()):
@@ -859,19 +864,30 @@ def good_summary(good: Good) -> dict:
         }
     return {
         "per_kind": out,
-        "requests": len(good.records),
+        "requests": len(records),
         "failed": len(failed),
         "delayed_over_2s": len(delayed),
         "failed_examples": failed[:20],
         "delayed_examples": delayed[:20],
-        "output_changed": len(good.changed),
-        "output_changed_examples": good.changed[:10],
+        "output_changed": len(changed),
+        "output_changed_examples": changed[:10],
     }
+
+
+def good_phases(run: dict) -> tuple[dict, dict]:
+    """The good clients' summary while fuzzing, and alone before it (the baseline)."""
+    good, start = run["good"], run["fuzz_start_s"]
+    during = [r for r in good.records if r["t"] >= start]
+    alone = [r for r in good.records if r["t"] < start]
+    return (
+        good_summary(during, [c for c in good.changed if c["t"] >= start]),
+        good_summary(alone, [c for c in good.changed if c["t"] < start]),
+    )
 
 
 def summarize(run: dict, log_errors: list[str], alive: bool) -> dict:
     stats, health = run["stats"], run["health"]
-    g = good_summary(run["good"])
+    g, baseline = good_phases(run)
     dropped = len(stats.ws_dropped)
     return {
         "requests_sent": stats.sent,
@@ -894,6 +910,7 @@ def summarize(run: dict, log_errors: list[str], alive: bool) -> dict:
         "fuzz_latency_p50_s": percentile(stats.latencies, 50),
         "fuzz_latency_p99_s": percentile(stats.latencies, 99),
         "good": g,
+        "good_baseline": baseline,
         "health_checks": len(health),
         "health_max_s": max((h for h, _ in health), default=None),
         "health_p99_s": percentile([h for h, _ in health], 99),
@@ -937,6 +954,14 @@ def print_summary(s: dict) -> None:
     for e in s["five_xx_examples"][:8] + s["stream_server_error_examples"][:4]:
         print(f"  {e.get('status')} #{e['index']} {e['method']} {e['path']} {e['body'][:160]!r}")
         print(f"      -> {str(e.get('answer'))[:160]!r}")
+    b = s["good_baseline"]
+    print(
+        f"good clients alone first: {b['requests']} requests, {b['failed']} failed, "
+        f"{b['delayed_over_2s']} delayed > 2 s beyond the median; p50/max per kind: "
+        + ", ".join(
+            f"{k} {v['p50_s'] or 0:.2f}/{v['max_s'] or 0:.2f} s" for k, v in b["per_kind"].items()
+        )
+    )
     g = s["good"]
     print(
         f"good: {g['requests']} requests, {g['failed']} failed, {g['delayed_over_2s']} delayed "
@@ -974,6 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60, help="seconds per HTTP request")
     p.add_argument("--ws-timeout", type=float, default=60, help="seconds per WebSocket answer")
     p.add_argument("--good-tokens", type=int, default=16)
+    p.add_argument("--baseline-seconds", type=float, default=10, help="good clients alone first")
     p.add_argument("--only", type=int, default=None, help="send only case I (to rerun one)")
     args = p.parse_args(argv)
     server = ServerProcess(args.model).start()

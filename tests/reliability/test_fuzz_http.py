@@ -6,11 +6,15 @@ Last, schemathesis generates cases from the server's own `/openapi.json` (`test_
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 
 from .conftest import (
     BASE,
@@ -45,11 +49,6 @@ def test_wrongly_shaped_bodies_get_4xx(http, path, data):
     assert problem is None, problem
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 1: seed/top_k >= 2**64 raise inside the engine step (500, and "
-    "fail_all ends every request in flight); remove once admission range-checks them",
-    strict=False,
-)
 @pytest.mark.parametrize("path", PATHS)
 @FUZZ
 @given(data=st.data())
@@ -59,11 +58,6 @@ def test_out_of_range_sampling_integers_get_4xx(http, path, data):
     assert problem is None, problem
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 5: a lone surrogate in model/input is a 500; NaN/Infinity in "
-    "tools[].parameters or reasoning are accepted (or fail after generating)",
-    strict=False,
-)
 @pytest.mark.parametrize("path", PATHS)
 @FUZZ
 @given(data=st.data())
@@ -179,40 +173,55 @@ def test_openapi_documents_the_error_responses(openapi):
     assert not missing, missing
 
 
-@pytest.mark.xfail(
-    reason="issue 25 items 1 and 5: schema-valid bodies with seed/top_k >= 2**64 or odd "
-    "strings still reach a 500",
-    strict=False,
+SCHEMA_CASES = settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
 )
-def test_openapi_cases_get_no_5xx(openapi, server):
-    """Every operation of the document, with schemathesis's generated cases (valid and not)."""
-    schema = schemathesis.openapi.from_dict(openapi)
+
+
+def openapi_failures(openapi: dict, base_url: str, mode: GenerationMode) -> list[str]:
+    """Requests built by schemathesis for every operation of the document that got a 5xx."""
     failures: list[str] = []
-    for result in schema.get_all_operations():
+    for result in schemathesis.openapi.from_dict(openapi).get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
-        @given(case=operation.as_strategy())
+        @SCHEMA_CASES
+        @given(case=operation.as_strategy(generation_mode=mode))
         def run(case):
-            _bound_lengths(case)
-            response = case.call(base_url=server.url, timeout=120)
+            _served_and_short(case)
+            response = case.call(base_url=base_url, timeout=120)
             if response.status_code >= 500:
-                failures.append(f"{case.method} {case.formatted_path} {str(case.body)[:200]}"
-                                f" -> {response.status_code} {response.text[:200]}")  # fmt: skip
+                failures.append(
+                    f"{case.method} {case.formatted_path} {str(case.body)[:200]} -> "
+                    f"{response.status_code} {response.text[:200]}"
+                )
 
-        run()
+        with contextlib.suppress(Unsatisfiable):  # nothing to break: no parameters, no body
+            run()
+    return failures
+
+
+@pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda m: m.value)
+def test_openapi_cases_get_no_5xx(openapi, server, mode):
+    """Cases schemathesis builds from /openapi.json, valid ones (positive) and ones that break
+    the schema (negative), for every operation."""
+    failures = openapi_failures(openapi, server.url, mode)
     assert not failures, failures[:10]
 
 
-def _bound_lengths(case) -> None:
-    """Keep generated generations short: a valid max-token value stays, capped at 8."""
-    if isinstance(case.body, dict):
-        if "model" in case.body and isinstance(case.body["model"], str) and len(case.body) > 3:
-            case.body["model"] = MODEL
-        for name in ("max_output_tokens", "max_tokens", "max_completion_tokens"):
-            value = case.body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 8:
-                case.body[name] = 8
-        if "max_tokens" not in case.body and "messages" in case.body:
-            case.body["max_tokens"] = 8
+def _served_and_short(case) -> None:
+    """Bodies name the served model (so valid ones reach the engine) and generate at most 8
+    tokens; schemathesis picks everything else."""
+    if not isinstance(case.body, dict):
+        return
+    if isinstance(case.body.get("model"), str):
+        case.body["model"] = MODEL
+    for name in ("max_output_tokens", "max_tokens", "max_completion_tokens"):
+        value = case.body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 8:
+            case.body[name] = 8
+    if "messages" in case.body and "max_tokens" not in case.body:
+        case.body["max_tokens"] = 8

@@ -112,11 +112,6 @@ def test_binary_frames_are_answered(server, payload):
     assert_client_error(first, repr(payload))
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 4: a message nested 5,000 deep raises RecursionError in the "
-    "message parser; the connection drops with no close frame and the queued message is lost",
-    strict=False,
-)
 @pytest.mark.parametrize("nest", ["arrays", "objects"])
 def test_deep_nesting_gets_an_error_event_and_the_queued_message_is_answered(server, nest):
     value = deep(5000) if nest == "arrays" else Raw('{"a":' * 5000 + "1" + "}" * 5000)
@@ -126,11 +121,6 @@ def test_deep_nesting_gets_an_error_event_and_the_queued_message_is_answered(ser
     assert_client_error(first, message)
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 1: seed/top_k >= 2**64 raise inside the engine step; the response "
-    "fails with 'internal engine error' (and every other request in flight with it)",
-    strict=False,
-)
 @FUZZ
 @given(data=st.data())
 def test_out_of_range_sampling_integers_get_an_error_event(server, data):
@@ -139,11 +129,6 @@ def test_out_of_range_sampling_integers_get_an_error_event(server, data):
     assert_client_error(send_then_valid(server, message), message)
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 5: NaN/Infinity and lone surrogates are accepted, or fail on the "
-    "server's side, instead of an error event with status 400",
-    strict=False,
-)
 @FUZZ
 @given(data=st.data())
 def test_non_finite_numbers_and_lone_surrogates_get_an_error_event(server, data):
