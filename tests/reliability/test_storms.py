@@ -10,8 +10,13 @@ import json
 import random
 
 import httpx
+import pytest
 import websockets
 
+from expresslane.server.app import create_app
+from expresslane.server.settings import ServerSettings
+
+from ..server.conftest import ServerThread
 from .conftest import MODEL, TERMINAL, error_shape_problem, sse_server_errors, wait_idle
 
 TIERS = ["ultrafast", "default", "flex"]
@@ -105,17 +110,30 @@ def check_burst_answer(r: httpx.Response) -> str | None:
     return None
 
 
-async def test_overload_burst_is_served_or_shed_and_health_answers(server, engine):
-    """200 requests at once (far more than the 64-sequence batch): each is served or gets 429
-    with Retry-After, none hangs (each bounded by a 120 s client timeout), /health answers."""
+@pytest.fixture(scope="module")
+def short_queue_server(engine):
+    """The same engine behind a server whose lanes queue nothing beyond their max batch."""
+    settings = ServerSettings(store_path=":memory:", served_model_name=MODEL, max_queued_per_lane=0)
+    with ServerThread(create_app(engine, settings)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("queues", ["default", "none"])
+async def test_overload_burst_is_served_or_shed_and_health_answers(
+    server, short_queue_server, engine, queues
+):
+    """200 requests at once (more than the lanes' batches hold): each is served or gets 429
+    with Retry-After, none hangs (each bounded by a 120 s client timeout), /health answers.
+    With no queue beyond the batches, some are shed."""
+    srv = server if queues == "default" else short_queue_server
     limits = httpx.Limits(max_connections=260, max_keepalive_connections=260)
-    async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as http:
         stop, health = asyncio.Event(), []
         poller = asyncio.create_task(poll_health(http, stop, health))
 
         async def one(i: int) -> httpx.Response:
             kind = ["responses", "chat", "completions"][i % 3]
-            path, body = request_for(kind, i, 16, TIERS[i % 3])
+            path, body = request_for(kind, i, 64, TIERS[i % 3])
             return await http.post(path, json={**body, "stream": i % 2 == 0})
 
         answers = await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
@@ -126,7 +144,9 @@ async def test_overload_burst_is_served_or_shed_and_health_answers(server, engin
     problems = [p for p in map(check_burst_answer, answers) if p]
     assert not problems, problems[:5]
     assert health and all(h == 200 for h in health), [h for h in health if h != 200][:5]
-    await asyncio.to_thread(wait_idle, server.url, engine)
+    if queues == "none":
+        assert any(a.status_code == 429 for a in answers)
+    await asyncio.to_thread(wait_idle, srv.url, engine)
     assert engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
 
 
