@@ -157,11 +157,6 @@ def openapi(http) -> dict:
     return http.get("/openapi.json").json()
 
 
-@pytest.mark.xfail(
-    reason="issue 25 item 8: /openapi.json documents only 200/422; the real request errors "
-    "(400/401/403/404/413/429) are not described",
-    strict=False,
-)
 def test_openapi_documents_the_error_responses(openapi):
     missing = {}
     for path, methods in openapi["paths"].items():

@@ -154,6 +154,7 @@ def test_openapi_documents_bodies_and_errors(http):
     post = doc["paths"]["/v1/responses"]["post"]
     assert "requestBody" in post
     assert {"400", "401", "403", "404", "413", "429"} <= set(post["responses"])
+    assert "422" not in post["responses"]  # validation errors are 400 here
     assert "ErrorBody" in doc["components"]["schemas"]
 
 

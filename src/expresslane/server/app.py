@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from expresslane.lanes import build_lanes
@@ -115,11 +116,11 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
             "max_model_len": state.max_model_len,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def list_models(request: Request):
         return {"object": "list", "data": [model_card(get_state(request))]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def retrieve_model(model_id: str, request: Request):
         state = get_state(request)
         state.check_model(model_id)
@@ -144,7 +145,19 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         body = get_state(request).metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document without its 422 answers: validation errors are 400 here."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for methods in doc["paths"].values():
+            for op in methods.values():
+                op.get("responses", {}).pop("422", None)
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def _merged_engine_options(args, cli_options: dict) -> dict:
