@@ -356,16 +356,27 @@ async def client_loop(ctx: Ctx, t0: float, deadline: float) -> None:
 
 async def sampler(server: ServerProcess, t0: float, deadline: float, every: float) -> list:
     samples = []
-    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+    # a new connection per sample: a kept-alive one idle for the server's keep-alive timeout
+    # (5 s, the sampling period) races its close, which is the client's problem, not /health's
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=fresh) as http:
         while time.perf_counter() < deadline:
             start = time.perf_counter()
+            error = None
             try:
-                ok = (await http.get("/health")).status_code == 200
-            except httpx.HTTPError:
-                ok = False
+                r = await http.get("/health")
+                ok, error = r.status_code == 200, None if r.status_code == 200 else r.status_code
+            except httpx.HTTPError as e:
+                ok, error = False, type(e).__name__
             health = time.perf_counter() - start
             samples.append(
-                {"t": start - t0, "rss_mb": server.rss_mb(), "health_s": health, "health_ok": ok}
+                {
+                    "t": start - t0,
+                    "rss_mb": server.rss_mb(),
+                    "health_s": health,
+                    "health_ok": ok,
+                    "health_error": error,
+                }
             )
             await asyncio.sleep(max(0.0, every - health))
     return samples

@@ -7,7 +7,9 @@ prompt larger than the remaining budget is split into chunks across steps (chunk
 
 While a request of a lane with a speed target is active, the lower lanes only get what fits in
 the step time that keeps it at its target, as predicted by the step-latency model: the rest of
-their requests keep their KV and skip the step (round robin makes them take turns).
+their requests keep their KV and skip the step (round robin makes them take turns). They always
+get at least `LOWER_LANE_SHARE` of the step time the targeted lanes take themselves, so a busy
+ultrafast lane slows the others but never stops them.
 
 When blocks run out, the lowest-ranked, most recent running request is preempted: its blocks are
 released and it is recomputed later, prompt and output so far (its cached prefix blocks often
@@ -30,6 +32,9 @@ from expresslane.lanes import Lane, build_lanes
 # 99th-percentile inter-token gap a client sees is about twice the typical step (scheduling
 # noise, refits, the server's own threads), and the target is a promise about that p99.
 STEP_HEADROOM = 0.4
+# Where the targeted lanes alone fill the step time their targets allow, the lower lanes may
+# still add this fraction of it: the targeted requests lose at most 1 - 1/1.15 of their speed.
+LOWER_LANE_SHARE = 0.15
 
 
 @dataclass
@@ -102,8 +107,14 @@ class Scheduler:
         scheduled: set[int] = set()
         order = sorted(self.running, key=_running_order)
         out_of_blocks = admission_closed = False
+        lower_cap: float | None = None  # set once the targeted lanes are scheduled
         for rank in sorted(self.rank_lane):
-            cap = None if rank in self.targets else limit
+            if rank in self.targets:
+                cap = None
+            else:
+                if lower_cap is None:
+                    lower_cap = self._lower_lane_cap(batch, limit)
+                cap = lower_cap
             for req in order:
                 if req.priority != rank or req.status is not Status.RUNNING:
                     continue  # another lane, or preempted earlier in this step
@@ -133,6 +144,16 @@ class Scheduler:
             if not (out_of_blocks or admission_closed):
                 admission_closed = self._admit(batch, rank, cap)
         return batch
+
+    def _lower_lane_cap(self, batch: ScheduledBatch, limit: float | None) -> float | None:
+        """The step time a lane without a target may fill: the targets' limit, or a share on
+        top of what the batch so far takes, whichever is more."""
+        if limit is None or not batch.items:
+            return limit
+        so_far = self.step_model.predict(
+            len(batch.items), batch.num_tokens, batch.context_tokens
+        )
+        return max(limit, so_far * (1 + LOWER_LANE_SHARE))
 
     def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
         """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""

@@ -40,14 +40,14 @@ class Ticket:
 
 @dataclass
 class QueueLimits:
-    """How much work may wait: per lane beyond its max batch (None: 4 x max batch) and per
-    key (running or waiting, all tiers; None: unbounded)."""
+    """How much work may wait: per lane beyond its max batch (None: as many again as its max
+    batch) and per key (running or waiting, all tiers; None: unbounded)."""
 
     per_lane: int | None = None
     per_key: int | None = 256
 
     def lane_capacity(self, lane: Lane) -> int:
-        return lane.max_batch + (4 * lane.max_batch if self.per_lane is None else self.per_lane)
+        return lane.max_batch + (lane.max_batch if self.per_lane is None else self.per_lane)
 
 
 class Accounts:
@@ -237,22 +237,40 @@ class Accounts:
         else:
             self.in_flight.pop(ticket.key.id, None)
         self.limiter.settle(ticket.key.id, ticket.tier, estimated_tokens, used)
-        multiplier = self.lanes[ticket.tier].price_multiplier
+        tokens = (input_tokens, cached_tokens, output_tokens)
+        ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.tier, model)
+        self.ledger.record(self._row(*ids, status, *tokens, timings))
+
+    def _row(
+        self,
+        request_id: str,
+        key_id: str,
+        tier_requested: str,
+        tier_served: str,
+        model: str,
+        status: str,
+        input_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        timings: dict[str, float | None] | None = None,
+    ) -> LedgerRow:
+        """A ledger row priced at the serving lane's multiplier; errors cost nothing."""
+        lane = self.lanes.get(tier_served)
+        multiplier = lane.price_multiplier if lane is not None else 1.0
         cost = self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier)
-        self.ledger.record(
-            LedgerRow(
-                request_id=request_id,
-                key_id=ticket.key.id,
-                tier_requested=ticket.tier_requested,
-                tier_served=ticket.tier,
-                model=model,
-                status=status,
-                input_tokens=input_tokens,
-                cached_tokens=cached_tokens,
-                output_tokens=output_tokens,
-                cost=0.0 if status == "error" else cost,
-                **timings,
-            )
+        times = timings or dict.fromkeys(("queue_s", "ttft_s", "decode_s", "e2e_s"))
+        return LedgerRow(
+            request_id=request_id,
+            key_id=key_id,
+            tier_requested=tier_requested,
+            tier_served=tier_served,
+            model=model,
+            status=status,
+            input_tokens=input_tokens,
+            cached_tokens=cached_tokens,
+            output_tokens=output_tokens,
+            cost=0.0 if status == "error" else cost,
+            **times,
         )
 
     def record_interrupted(
@@ -270,23 +288,6 @@ class Accounts:
         """Bill a request the server was killed under (found unfinished when it restarts) for
         the tokens it had generated, priced like a finished one. Once per request id: False
         (nothing written) if the ledger already has a row for it."""
-        lane = self.lanes.get(tier_served)
-        multiplier = lane.price_multiplier if lane is not None else 1.0
-        return self.ledger.record_once(
-            LedgerRow(
-                request_id=request_id,
-                key_id=key_id,
-                tier_requested=tier_requested,
-                tier_served=tier_served,
-                model=model,
-                status="interrupted",
-                input_tokens=input_tokens,
-                cached_tokens=cached_tokens,
-                output_tokens=output_tokens,
-                queue_s=None,
-                ttft_s=None,
-                decode_s=None,
-                e2e_s=None,
-                cost=self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier),
-            )
-        )
+        ids = (request_id, key_id, tier_requested, tier_served, model)
+        tokens = (input_tokens, cached_tokens, output_tokens)
+        return self.ledger.record_once(self._row(*ids, "interrupted", *tokens))

@@ -48,7 +48,7 @@ class ServerSettings:
     max_input_items: int = 4096  # messages, input items or prompts in one request
     max_tools: int = 128  # tools declared in one request
     max_prompt_chars: int | None = None  # None: what the context can hold (limits.py)
-    max_queued_per_lane: int | None = None  # waiting beyond max_batch; None: 4 x max_batch
+    max_queued_per_lane: int | None = None  # waiting beyond max_batch; None: max_batch
     max_in_flight_per_key: int | None = 256  # requests of one key running or waiting
     share_prefix_cache: bool = False  # with API keys, cached prefixes serve all owners
     tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral
