@@ -113,6 +113,10 @@ async def flood(url: str, model: str, rate: float, args) -> tuple[list[dict], li
 
 def summarize(results: list[dict], health: list[float], capacity: float, args) -> dict:
     statuses = Counter(str(r["status"]) for r in results)
+    per_tier = {
+        tier: dict(Counter(str(r["status"]) for r in results if r["tier"] == tier))
+        for tier in TIERS
+    }
     served = [r["seconds"] for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] == 429]
     bad = [r for r in results if r["status"] not in (200, 429)]
@@ -121,6 +125,7 @@ def summarize(results: list[dict], health: list[float], capacity: float, args) -
         "offered_requests_per_s": capacity * args.factor,
         "requests": len(results),
         "statuses": dict(statuses),
+        "statuses_per_tier": per_tier,
         "served_p50_s": percentile(served, 50),
         "served_p99_s": percentile(served, 99),
         "served_max_s": max(served, default=None),

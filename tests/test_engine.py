@@ -209,3 +209,16 @@ def test_sharded_checkpoint_loads(tmp_path, llama_dir):
         p, SamplingParams(max_tokens=8, **GREEDY)
     )
     assert got[0].token_ids == ref[0].token_ids
+
+
+def test_a_request_that_waited_too_long_to_start_fails_with_queue_timeout(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", max_queue_seconds=30.0)
+    engine = llm.engine
+    old = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    fresh = engine.add_request([5, 6, 8], SamplingParams(max_tokens=4, **GREEDY))
+    old.metrics.arrival -= 31.0  # as if it had waited in an overloaded queue
+    outputs = {o.request_id: o for _ in range(20) for o in engine.step() if o.finished}
+    assert outputs[old.request_id].finish_reason == "error"
+    assert outputs[old.request_id].error.startswith("queue_timeout")
+    assert outputs[fresh.request_id].finish_reason == "length"
+    assert engine.kv.num_used_blocks == 0 and not engine.requests

@@ -244,3 +244,27 @@ def test_full_queues_answer_429_with_headers(small_queue_server, long_engine):
                 break
             time.sleep(0.1)
         assert r.status_code == 200, r.text
+
+
+def test_requests_the_engine_never_starts_get_429_queue_timeout(llama_dir):
+    """With no queue wait allowed, every request times out in the queue: a plain request
+    answers 429 with Retry-After, and nothing is left behind in the engine."""
+    config = EngineConfig(
+        model=str(llama_dir), num_kv_blocks=64, seed=0, calibrate=False, max_queue_seconds=0.0
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    app = create_app(engine, ServerSettings(store_path=":memory:"))
+    bodies = {
+        "/v1/responses": {"input": "x", "max_output_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        "/v1/completions": {"prompt": "x", "max_tokens": 2},
+    }
+    try:
+        with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+            for path, body in bodies.items():
+                r = c.post(path, json={"model": "llama", **body})
+                check(r, 429, code="queue_timeout")
+                assert r.headers["retry-after"] and "x-ratelimit-reset-requests" in r.headers
+        assert not engine.engine.requests and engine.engine.kv.num_used_blocks == 0
+    finally:
+        engine.shutdown()

@@ -34,6 +34,7 @@ from expresslane.spec.stats import SpecStats
 from expresslane.tokenizer import Tokenizer
 
 log = logging.getLogger("expresslane.engine")
+QUEUE_TIMEOUT = "queue_timeout"  # the error text of requests that waited too long to start
 _ids = itertools.count()
 
 
@@ -214,9 +215,10 @@ class LLMEngine:
             self._resolve_targets()
         if self.proposers:
             self._propose()
+        expired = self._expire_waiting()
         batch = self.scheduler.schedule()
         if not batch.items:
-            return []
+            return expired
         self.num_steps += 1
         now = time.perf_counter()
         for req, _ in batch.items:
@@ -227,7 +229,7 @@ class LLMEngine:
         # cost (like the target's prefill), not what a step with guesses costs
         first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
         run = run_isolated(self.runner.step, batch.items)  # without the requests that raise
-        outputs = self._fail_step_errors(run)
+        outputs = expired + self._fail_step_errors(run)
         for req, n in run.items:
             req.num_computed_tokens += n - len(req.draft_ids)
         row = emitted = 0
@@ -285,6 +287,21 @@ class LLMEngine:
                 with contextlib.suppress(Exception):
                     torch.cuda.empty_cache()
         return outputs
+
+    def _expire_waiting(self) -> list[RequestOutput]:
+        """Fail the requests that waited longer than `max_queue_seconds` without starting: an
+        overloaded server answers them (429 queue_timeout) instead of letting them wait on."""
+        limit = self.config.max_queue_seconds
+        if limit is None:
+            return []
+        now = time.perf_counter()
+        stale = [
+            r
+            for r in self.scheduler.waiting
+            if r.metrics.first_scheduled is None and now - r.metrics.arrival > limit
+        ]
+        message = f"{QUEUE_TIMEOUT}: the request waited {limit:g} s without starting"
+        return [self._fail(req, message) for req in stale]
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """End a request with an error; its blocks go back to the pool."""

@@ -160,6 +160,11 @@ class Accounts:
             "x-ratelimit-reset-tokens": go_duration(renews - time.time()),
         }
 
+    def saturated(self, lane_load) -> bool:
+        """Whether every enabled lane's queue is full (no request could be admitted)."""
+        lanes = [lane for lane in self.lanes.values() if lane.enabled]
+        return all(lane_load(la.name) >= self.queue_limits.lane_capacity(la) for la in lanes)
+
     def _check_queues(self, key: ApiKey, tier: str, lane_load) -> None:
         """429 instead of an unbounded wait: the lane's queue is full, or the key has as
         many requests in flight as it may."""

@@ -38,6 +38,9 @@ from expresslane.tool_parsers import detect_tool_parser, get_tool_parser
 
 log = logging.getLogger("expresslane.server")
 DEMO_MODEL_NAME = "expresslane-demo"
+# a served request not started within this many seconds answers 429 queue_timeout (the
+# offline LLM waits as long as it takes)
+SERVE_MAX_QUEUE_SECONDS = 60.0
 UVICORN_GRACE_S = 2.0
 
 
@@ -87,7 +90,7 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         model_aliases=aliases,
     )
 
-    lifecycle = Lifecycle()
+    lifecycle = Lifecycle(lambda: accounts.saturated(async_engine.lane_load))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -204,6 +207,7 @@ def serve(args, engine_options: dict) -> int:
         return 2
     model = args.model or options.pop("model", None)
     options.pop("model", None)
+    options.setdefault("max_queue_seconds", SERVE_MAX_QUEUE_SECONDS)
     try:
         engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, options)))
     except (ExpresslaneError, OSError, ValueError, KeyError) as e:

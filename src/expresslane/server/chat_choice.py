@@ -4,7 +4,7 @@ and parsed at the end), tool calls, logprobs; and the usage object for a set of 
 from __future__ import annotations
 
 from expresslane.engine.output import RequestOutput
-from expresslane.server.errors import APIError
+from expresslane.server.errors import generation_error
 from expresslane.server.logprobs import chat_logprobs
 from expresslane.tool_parsers import ToolCall, ToolParser
 
@@ -95,6 +95,4 @@ def chat_usage(choices: list[Choice]) -> dict:
 
 def check_finished(out: RequestOutput) -> None:
     if out.finished and out.finish_reason in ("error", "abort"):
-        raise APIError(
-            500, out.error or "the generation ended early", code="server_error", type="server_error"
-        )
+        raise generation_error(out.error)

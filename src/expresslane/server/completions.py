@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from expresslane.server.body import StrictJSONRoute
-from expresslane.server.errors import APIError, invalid
+from expresslane.server.errors import APIError, generation_error, invalid
 from expresslane.server.generation import abort_all, make_params, merged, submit_all
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
@@ -74,12 +74,7 @@ class _Choice:
         if out.finished:
             self.final = out
             if out.finish_reason in ("error", "abort"):
-                raise APIError(
-                    500,
-                    out.error or "the generation ended early",
-                    code="server_error",
-                    type="server_error",
-                )
+                raise generation_error(out.error)
         return out.new_text, lp
 
     @property

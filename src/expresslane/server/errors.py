@@ -117,6 +117,27 @@ def from_engine_error(e: ExpresslaneError, names: dict[str, str] | None = None) 
     return APIError(e.status, message, param=param, code=e.code, type=e.type)
 
 
+def generation_error(message: str | None) -> APIError:
+    """The answer for a generation that ended with an engine error: 429 for a request the
+    overloaded engine never started (`queue_timeout`), else 500."""
+    if message and message.startswith("queue_timeout"):
+        return APIError(
+            429,
+            "The server is overloaded: this request waited in its lane's queue without "
+            "starting; retry after the Retry-After delay.",
+            code="queue_timeout",
+            headers={
+                "retry-after": "1",
+                "retry-after-ms": "1000",
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": "1s",
+            },
+        )
+    return APIError(
+        500, message or "the generation ended early", code="server_error", type="server_error"
+    )
+
+
 def internal_error() -> APIError:
     return APIError(
         500,

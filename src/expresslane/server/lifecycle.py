@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -27,11 +28,29 @@ POLL_S = 0.05
 
 
 class Lifecycle:
-    """Whether the server takes new work, and how many HTTP requests are in flight."""
+    """Whether the server takes new work, and how many HTTP requests are in flight.
+    `saturated()` is true when every lane's queue is full: new work is then shed with 429
+    before its body is even read, so refusing a flood costs the engine as little as it can."""
 
-    def __init__(self) -> None:
+    def __init__(self, saturated: Callable[[], bool] = lambda: False) -> None:
         self.draining = False
         self.active = 0
+        self.saturated = saturated
+
+
+def shed() -> APIError:
+    return APIError(
+        429,
+        "Every tier of this server has as many requests running or waiting as it queues; "
+        "retry after the Retry-After delay.",
+        code="queue_full",
+        headers={
+            "retry-after": "1",
+            "retry-after-ms": "1000",
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "1s",
+        },
+    )
 
 
 def refusal() -> APIError:
@@ -71,6 +90,9 @@ class DrainGate:
         new_work = scope["method"] == "POST" and scope["path"].rstrip("/") in NEW_WORK
         if self.lifecycle.draining and new_work:
             await refusal().response()(scope, receive, send)
+            return
+        if new_work and self.lifecycle.saturated():
+            await shed().response()(scope, receive, send)
             return
         self.lifecycle.active += 1
         try:

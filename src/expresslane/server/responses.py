@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from expresslane.server.body import StrictJSONRoute
-from expresslane.server.errors import APIError, invalid, not_found
+from expresslane.server.errors import APIError, generation_error, invalid, not_found
 from expresslane.server.response_job import ResponseJob, prepare_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
@@ -43,9 +43,7 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     if not await until_disconnected(request, job.task):
         return Response(status_code=499)
     if job.response["status"] == "failed":
-        raise APIError(
-            500, job.response["error"]["message"], code="server_error", type="server_error"
-        )
+        raise generation_error(job.response["error"]["message"])
     return JSONResponse(job.response)
 
 
