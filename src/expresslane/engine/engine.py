@@ -292,7 +292,7 @@ class LLMEngine:
         """Fail the requests that waited longer than `max_queue_seconds` without starting: an
         overloaded server answers them (429 queue_timeout) instead of letting them wait on."""
         limit = self.config.max_queue_seconds
-        if limit is None:
+        if limit is None or not self.scheduler.waiting:
             return []
         now = time.perf_counter()
         stale = [

@@ -122,9 +122,11 @@ class KeyStore:
         self.db = db
         self.lock = threading.Lock()
         db.executescript(SCHEMA)
+        self._has_keys, self._has_keys_at = False, float("-inf")
 
     def create(self, name: str, plan: Plan) -> tuple[ApiKey, str]:
         """A new key; returns it and its secret (the only time the secret is available)."""
+        self._has_keys_at = float("-inf")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = ApiKey("key_" + secrets.token_hex(6), name, secret[:8], plan, time.time())
         with self.lock:
@@ -135,8 +137,14 @@ class KeyStore:
         return key, secret
 
     def has_keys(self) -> bool:
-        with self.lock:
-            return self.db.execute("SELECT 1 FROM api_keys LIMIT 1").fetchone() is not None
+        """Whether any key exists; asked of every request in open mode, so the answer is
+        kept for a second (keys made by `expresslane keys` meanwhile count from then on)."""
+        now = time.monotonic()
+        if now - self._has_keys_at > 1.0:
+            with self.lock:
+                row = self.db.execute("SELECT 1 FROM api_keys LIMIT 1").fetchone()
+            self._has_keys, self._has_keys_at = row is not None, now
+        return self._has_keys
 
     def lookup(self, secret: str) -> ApiKey | None:
         """The active key with this secret, or None."""
