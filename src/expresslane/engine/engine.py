@@ -294,11 +294,10 @@ class LLMEngine:
         limit = self.config.max_queue_seconds
         if limit is None or not self.scheduler.waiting:
             return []
-        now = time.perf_counter()
+        oldest = time.perf_counter() - limit
         stale = [
-            r
-            for r in self.scheduler.waiting
-            if r.metrics.first_scheduled is None and now - r.metrics.arrival > limit
+            r for r in self.scheduler.waiting
+            if r.metrics.first_scheduled is None and r.metrics.arrival < oldest
         ]
         message = f"{QUEUE_TIMEOUT}: the request waited {limit:g} s without starting"
         return [self._fail(req, message) for req in stale]
