@@ -104,7 +104,11 @@ def cpu_kernels():
         # torch rebuilds when a listed source changes, not a header or a flag: name the build
         # by all of them
         files = sorted(_SRC.glob("*.[ch]*"))
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(cflags).encode())
+        # the build also names torch's headers by path: one build folder per torch install
+        torch_id = f"{torch.__version__} {Path(torch.__file__).parent}"
+        digest = hashlib.sha256(
+            b"".join(p.read_bytes() for p in files) + " ".join([*cflags, torch_id]).encode()
+        )
         name = f"expresslane_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
