@@ -119,3 +119,17 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()
     return [torch.randint(3, VOCAB, (n_,), generator=g).tolist() for n_ in lens]
+
+
+@pytest.fixture(scope="session")
+def engine(llama_dir):
+    """The real async engine on the tiny Llama, shared by the server and reliability tests."""
+    from expresslane.config import EngineConfig
+    from expresslane.engine.async_engine import AsyncEngine
+    from expresslane.engine.engine import LLMEngine
+
+    eng = AsyncEngine(
+        LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=1024, max_batch=64, seed=0))
+    )
+    yield eng
+    eng.shutdown()

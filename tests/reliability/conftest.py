@@ -19,11 +19,9 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from expresslane.config import EngineConfig
-from expresslane.engine.async_engine import AsyncEngine
-from expresslane.engine.engine import LLMEngine
 from expresslane.server.app import create_app
 from expresslane.server.settings import ServerSettings
 
@@ -32,15 +30,13 @@ from ..server.conftest import ServerThread, metric
 MODEL = "llama"
 TIERS = ["ultrafast", "default", "flex", "auto", "priority", "fast", "standard"]
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
-
-
-@pytest.fixture(scope="session")
-def engine(llama_dir):
-    eng = AsyncEngine(
-        LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=1024, max_batch=64, seed=0))
-    )
-    yield eng
-    eng.shutdown()
+FUZZ = settings(  # the examples every fuzz test of this folder draws
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from schemathesis import GenerationMode
 
 from .conftest import (
     BASE,
+    FUZZ,
     MODEL,
     Raw,
     deep,
@@ -31,13 +32,6 @@ from .conftest import (
 from .conftest import bodies as body_strategy
 
 PATHS = list(BASE)
-FUZZ = settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
 from .conftest import (
+    FUZZ,
     MODEL,
     TERMINAL,
     Raw,
@@ -24,13 +25,6 @@ from .conftest import (
     sampling_bodies,
 )
 
-FUZZ = settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 VALID = json.dumps(
     {"type": "response.create", "model": MODEL, "input": "hi", "max_output_tokens": 2}
 )

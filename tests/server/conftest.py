@@ -60,15 +60,6 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def engine(llama_dir):
-    eng = AsyncEngine(
-        LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=1024, max_batch=64, seed=0))
-    )
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="session")
 def server(engine):
     with ServerThread(create_app(engine, ServerSettings(store_path=":memory:"))) as s:
         yield s
