@@ -76,7 +76,7 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
-        self.headers = headers or {}
+        self.headers = dict(headers or {})  # its own copy: shared tables stay as they are
         self.status = status
         self.message = message
         self.param = param
@@ -117,6 +117,15 @@ def from_engine_error(e: ExpresslaneError, names: dict[str, str] | None = None) 
     return APIError(e.status, message, param=param, code=e.code, type=e.type)
 
 
+# A 429 for a server too busy to take the request: come back in a second.
+BUSY_HEADERS = {
+    "retry-after": "1",
+    "retry-after-ms": "1000",
+    "x-ratelimit-remaining-requests": "0",
+    "x-ratelimit-reset-requests": "1s",
+}
+
+
 def generation_error(message: str | None) -> APIError:
     """The answer for a generation that ended with an engine error: 429 for a request the
     overloaded engine never started (`queue_timeout`), else 500."""
@@ -126,12 +135,7 @@ def generation_error(message: str | None) -> APIError:
             "The server is overloaded: this request waited in its lane's queue without "
             "starting; retry after the Retry-After delay.",
             code="queue_timeout",
-            headers={
-                "retry-after": "1",
-                "retry-after-ms": "1000",
-                "x-ratelimit-remaining-requests": "0",
-                "x-ratelimit-reset-requests": "1s",
-            },
+            headers=BUSY_HEADERS,
         )
     return APIError(
         500, message or "the generation ended early", code="server_error", type="server_error"

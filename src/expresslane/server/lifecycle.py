@@ -20,7 +20,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from expresslane.server.durability import SHUT_DOWN
-from expresslane.server.errors import APIError
+from expresslane.server.errors import BUSY_HEADERS, APIError
 from expresslane.server.state import ServerState
 
 NEW_WORK = frozenset({"/v1/responses", "/v1/chat/completions", "/v1/completions"})
@@ -44,12 +44,7 @@ def shed() -> APIError:
         "Every tier of this server has as many requests running or waiting as it queues; "
         "retry after the Retry-After delay.",
         code="queue_full",
-        headers={
-            "retry-after": "1",
-            "retry-after-ms": "1000",
-            "x-ratelimit-remaining-requests": "0",
-            "x-ratelimit-reset-requests": "1s",
-        },
+        headers=BUSY_HEADERS,
     )
 
 
