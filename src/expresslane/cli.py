@@ -5,20 +5,83 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expresslane.cli_types import (
+    DTYPES,
+    Parser,
+    fail,
+    lane_setting,
+    model_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    speculative,
+)
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
+        type=model_dir,
+        metavar="DIR",
         default=None,
         help="Hugging Face-format model directory (default: the bundled demo model)",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda if this torch has a GPU, else cpu), cpu, cuda or cuda:N",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype; auto: the checkpoint's (on CPUs without fast bf16, float32)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="longest context, prompt + output, in tokens (default: the model's, at most 8192)",
+    )
+    _capacity_args(p)
+    _format_args(p)
+
+
+def _capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-num-seqs",
+        "--max-batch",
+        dest="max_batch",
+        metavar="N",
+        type=positive_int,
+        default=64,
+        help="most sequences in one engine step, all tiers (config: max_batch)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        metavar="GIB",
+        type=positive_float,
+        default=1.0,
+        help="memory for the paged KV cache, in GiB",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        metavar="N",
+        type=positive_int,
+        default=512,
+        help="token budget of one engine step (the prefill chunk size)",
+    )
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        "--no-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_true",
+        help="do not reuse the KV blocks of shared prompt prefixes",
+    )
+
+
+def _format_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         choices=["nvfp4", "mxfp4"],
@@ -34,6 +97,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative",
+        type=speculative,
         default=None,
         metavar="SPEC",
         help="speculative decoding for every lane that sets none: ngram, draft, or a TOML table "
@@ -43,6 +107,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lane",
         action="append",
+        type=lane_setting,
         default=[],
         metavar="LANE.SETTING=VALUE",
         help="lane setting, e.g. ultrafast.target_tokens_per_s=150 or flex.enabled=false "
@@ -59,7 +124,7 @@ def parse_lane_flags(flags: list[str]) -> dict:
         name, eq, value = flag.partition("=")
         lane, dot, setting = name.partition(".")
         if not (eq and dot and lane and setting):
-            raise SystemExit(f"--lane {flag!r}: expected LANE.SETTING=VALUE")
+            raise ValueError(f"{flag!r}: expected LANE.SETTING=VALUE")
         try:
             parsed = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
@@ -78,7 +143,7 @@ def parse_speculative_flag(value: str | None) -> dict | None:
         try:
             return tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError as e:
-            raise SystemExit(f"--speculative {value!r}: {e}") from None
+            raise ValueError(f"{value!r} is not a TOML table: {e}") from None
     return {"method": value}
 
 
@@ -95,6 +160,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        seed=getattr(args, "engine_seed", None),
         **({"lanes": lanes} if lanes else {}),
         **({"speculative": speculative} if speculative else {}),
     )
@@ -102,7 +168,11 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from expresslane import LLM, SamplingParams
+    from expresslane.server.preflight import device_problem
 
+    problem = device_problem(args.device)
+    if problem:
+        return fail("expresslane generate", f"argument --device: {problem}")
     llm = LLM(args.model, **_engine_options(args))
     prompt = args.prompt
     if args.chat:
@@ -122,40 +192,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from expresslane.server.app import serve
-
-    return serve(args, _engine_options(args))
+def _add_generate_command(sub) -> None:
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    _engine_args(g)
+    g.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    g.add_argument(
+        "--max-tokens", type=positive_int, default=128, help="most tokens to generate"
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    g.add_argument(
+        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable runs"
+    )
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument(
+        "-v", "--verbose", action="store_true", help="print tokens, TTFT and speed to stderr"
+    )
+    g.set_defaults(func=cmd_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expresslane", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
-    _engine_args(g)
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("-v", "--verbose", action="store_true")
-    g.set_defaults(func=cmd_generate)
-
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--config", default=None, help="TOML config file")
-    s.add_argument(
-        "--accounts", default=None, help="API keys + usage ledger (SQLite); default: see keys"
-    )
-    s.set_defaults(func=cmd_serve)
-
+    # Every command's module is light: what loads torch is imported inside the commands.
     from expresslane.bench.cli import add_bench_command
     from expresslane.cli_accounts import add_account_commands
     from expresslane.cli_quant import add_perplexity_command, add_quantize_command
+    from expresslane.cli_serve import add_serve_command
 
+    parser = Parser(prog="expresslane", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_command(sub)
+    add_serve_command(sub, _engine_args)
     add_account_commands(sub)
     add_quantize_command(sub)
     add_perplexity_command(sub)
@@ -164,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named after the command, as its other errors are
+        prog = f"{parser.prog} {args.command}"
+        return fail(prog, f"unrecognized arguments: {' '.join(extra)} (see `{prog} --help`)")
     return args.func(args)
 
 

@@ -13,20 +13,18 @@ import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-import httpx
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from expresslane import __version__
-from expresslane.bench.headline import headlines
-from expresslane.bench.metrics import parse_slo
-from expresslane.bench.plots import write_plots
-from expresslane.bench.report import build_results, write_files
-from expresslane.bench.runner import Level, run_benchmark
-from expresslane.bench.target import Target
-from expresslane.bench.workloads import Workload, WorkloadOptions, make_workload
+
+# The run's modules (httpx, numpy, rich) load inside the commands: `expresslane --help`
+# builds this parser and should not wait for them.
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from expresslane.bench.runner import Level
+    from expresslane.bench.target import Target
+    from expresslane.bench.workloads import Workload
 
 EXAMPLES = """\
 examples:
@@ -166,6 +164,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _levels(args: argparse.Namespace) -> list[Level]:
+    from expresslane.bench.runner import Level
+
     try:
         if args.rate:
             levels = [Level(rate=float(x)) for x in args.rate.split(",")]
@@ -182,6 +182,8 @@ def _levels(args: argparse.Namespace) -> list[Level]:
 
 def first_model(target: Target) -> str:
     """The first model id of GET /v1/models."""
+    import httpx
+
     r = httpx.get(target.url("models"), headers=target.headers(), timeout=30)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
@@ -201,6 +203,10 @@ def recorded_command(args: argparse.Namespace) -> str:
 
 
 def summary_table(data: dict[str, Any]) -> Table:
+    from rich.table import Table
+
+    from expresslane.bench.headline import headlines
+
     table = Table(title="expresslane bench")
     table.add_column("metric")
     for run in data["runs"]:
@@ -211,6 +217,10 @@ def summary_table(data: dict[str, Any]) -> Table:
 
 
 def _target(args: argparse.Namespace) -> Target:
+    import httpx
+
+    from expresslane.bench.target import Target
+
     try:
         extra_body = json.loads(args.extra_body) if args.extra_body else {}
     except ValueError as e:
@@ -237,6 +247,8 @@ def _target(args: argparse.Namespace) -> Target:
 
 
 def _workload(args: argparse.Namespace) -> Workload:
+    from expresslane.bench.workloads import WorkloadOptions, make_workload
+
     options = WorkloadOptions(
         seed=args.seed,
         input_tokens=args.input_tokens,
@@ -253,6 +265,9 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from expresslane.bench.metrics import parse_slo
+    from expresslane.bench.runner import run_benchmark
+
     if not args.base_url:
         raise SystemExit("expresslane bench: give --base-url (or use `bench compare A B`)")
     args.api = args.api or ("responses" if args.transport == "websocket" else "chat")
@@ -279,6 +294,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             show_progress=not args.quiet and sys.stderr.isatty(),
         )
     )
+    return _report(args, target, started_at, slo, results)
+
+
+def _report(args, target: Target, started_at: datetime, slo, results) -> int:
+    from rich.console import Console
+
+    from expresslane.bench.plots import write_plots
+    from expresslane.bench.report import build_results, write_files
+
     meta = {
         "base_url": args.base_url,
         "model": target.model,

@@ -11,18 +11,21 @@ The outcome is a `Ticket` that travels with the request.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
 
-from expresslane.lanes import Lane
+from expresslane.lanes import LANE_NAMES, Lane
 from expresslane.server.errors import APIError
-from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, connect
+from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan, connect
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
 from expresslane.server.tiers import canonical_tier
 
 log = logging.getLogger("expresslane.server")
+# The key given with `serve --api-key` (as vLLM takes it): every tier, no limits.
+SERVER_KEY = ApiKey("api-key", "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
 
 
 @dataclass
@@ -31,11 +34,21 @@ class Ticket:
     tier_requested: str
     tier: str  # the tier that serves it (echoed in the response)
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
+    # what the request's generations used (summed over its choices), for its log line
+    usage: dict[str, float] = field(default_factory=dict)
 
     @property
     def owner(self) -> str:
         """Who owns what this request stores (see `ApiKey.owner`)."""
         return self.key.owner
+
+    def add_usage(self, tokens: tuple[int, int, int], timings: dict[str, float | None]) -> None:
+        for name, n in zip(("input_tokens", "cached_tokens", "output_tokens"), tokens):
+            self.usage[name] = self.usage.get(name, 0) + n
+        for name, seconds in timings.items():
+            if seconds is not None:
+                keep = min if name in ("queue_s", "ttft_s") else max  # the first, the longest
+                self.usage[name] = keep(self.usage.get(name, seconds), seconds)
 
 
 @dataclass
@@ -57,7 +70,9 @@ class Accounts:
         prices: Prices,
         lanes: dict[str, Lane],
         queue_limits: QueueLimits | None = None,
+        api_key: str | None = None,
     ):
+        self.api_key = api_key  # `serve --api-key`: SERVER_KEY's secret
         db = connect(path)
         self.keys = KeyStore(db)
         self.ledger = Ledger(db)
@@ -66,7 +81,7 @@ class Accounts:
         self.lanes = lanes
         self.queue_limits = queue_limits or QueueLimits()
         self.in_flight: dict[str, int] = {}  # key id -> requests charged and not finished
-        if not self.keys.has_keys():
+        if not api_key and not self.keys.has_keys():
             log.warning(
                 "no API keys configured: open local mode, every tier open to anyone who can "
                 "reach the server (create one with `expresslane keys create NAME`)"
@@ -83,7 +98,9 @@ class Accounts:
         key = self.keys.lookup(secret) if secret else None
         if key is not None:  # the common case costs one query
             return key
-        if not self.keys.has_keys():
+        if self.api_key and secret and hmac.compare_digest(secret, self.api_key):
+            return SERVER_KEY
+        if not self.api_key and not self.keys.has_keys():
             return OPEN_ACCESS
         if not secret:
             raise APIError(
@@ -243,6 +260,7 @@ class Accounts:
             self.in_flight.pop(ticket.key.id, None)
         self.limiter.settle(ticket.key.id, ticket.tier, estimated_tokens, used)
         tokens = (input_tokens, cached_tokens, output_tokens)
+        ticket.add_usage(tokens, timings)
         ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.tier, model)
         self.ledger.record(self._row(*ids, status, *tokens, timings))
 

@@ -1,20 +1,22 @@
-"""The FastAPI app (`create_app`) and `expresslane serve` (`serve`).
+"""The FastAPI app (`create_app`); `expresslane serve` is `serve.py`.
 
 Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/models,
-/health (alive), /ready (taking work: 503 while starting or draining), /metrics. The server
-talks to the engine only through `AsyncEngine`.
+/health (alive), /ready (taking work: 503 while starting or draining), /metrics, the
+playground at / (`pages.py`) and /docs, /redoc (their scripts served from here, not a CDN).
+The server talks to the engine only through `AsyncEngine`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 
 from expresslane.lanes import build_lanes
 from expresslane.server import chat, completions, responses, websocket
@@ -22,26 +24,18 @@ from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
 from expresslane.server.durability import recover
 from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
-from expresslane.server.lifecycle import (
-    DrainGate,
-    DrainingServer,
-    Lifecycle,
-    interrupt_all,
-    readiness,
-)
+from expresslane.server.lifecycle import DrainGate, Lifecycle, interrupt_all, readiness
 from expresslane.server.metering import Prices
 from expresslane.server.metrics import ServerMetrics
-from expresslane.server.settings import ServerSettings, engine_options_from_toml
+from expresslane.server.pages import cors_options, install_pages
+from expresslane.server.request_log import RequestLog
+from expresslane.server.settings import ServerSettings
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.store import ResponseStore
 from expresslane.tool_parsers import detect_tool_parser, get_tool_parser
 
 log = logging.getLogger("expresslane.server")
 DEMO_MODEL_NAME = "expresslane-demo"
-# a served request not started within this many seconds answers 429 queue_timeout (the
-# offline LLM waits as long as it takes)
-SERVE_MAX_QUEUE_SECONDS = 60.0
-UVICORN_GRACE_S = 2.0
 
 
 def _model_names(async_engine) -> tuple[str, set[str]]:
@@ -78,6 +72,7 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         Prices.from_table(settings.prices),
         lanes,
         QueueLimits(settings.max_queued_per_lane, settings.max_in_flight_per_key),
+        api_key=settings.api_key,
     )
     state = ServerState(
         engine=async_engine,
@@ -100,13 +95,16 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         state.store.close()
         accounts.close()
 
-    app = FastAPI(title="expresslane", version="0.1.0", lifespan=lifespan)
+    app = FastAPIOffline(title="expresslane", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     app.state.lifecycle = lifecycle
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, accounts=accounts)
     app.add_middleware(DrainGate, lifecycle=lifecycle)
+    if settings.allowed_origins:  # CORS: outside auth, so preflights need no key
+        app.add_middleware(CORSMiddleware, **cors_options(settings.allowed_origins))
+    app.add_middleware(RequestLog)  # outermost: an id and a log line for every answer
     for module in (responses, websocket, chat, completions):
         app.include_router(module.router, responses=ERROR_RESPONSES)
 
@@ -148,6 +146,7 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
         body = get_state(request).metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_pages(app)
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -161,79 +160,3 @@ def _openapi(app: FastAPI) -> dict:
                 op.get("responses", {}).pop("422", None)
         app.openapi_schema = doc
     return app.openapi_schema
-
-
-def _merged_engine_options(args, cli_options: dict) -> dict:
-    """Config-file [engine] values, overridden by flags that differ from their defaults."""
-    from expresslane.cli import _engine_options, build_parser
-
-    defaults = _engine_options(build_parser().parse_args(["serve"]))
-    options = engine_options_from_toml(getattr(args, "config", None))
-    for key, value in cli_options.items():
-        if key == "lanes":  # per setting: flags over the file
-            for lane, settings in value.items():
-                options.setdefault("lanes", {}).setdefault(lane, {}).update(settings)
-        elif key not in options or value != defaults.get(key):
-            options[key] = value
-    return options
-
-
-def serve(args, engine_options: dict) -> int:
-    """`expresslane serve`: load the model, then serve until SIGINT/SIGTERM; then the server
-    drains (`lifecycle.py`): new work gets 503, in-flight requests get
-    `graceful_shutdown_seconds` to finish, and responses still running then end incomplete,
-    stored and billed."""
-    import uvicorn
-
-    from expresslane.config import EngineConfig
-    from expresslane.engine.async_engine import AsyncEngine
-    from expresslane.engine.engine import LLMEngine
-    from expresslane.errors import ExpresslaneError
-
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    defaults = ServerSettings()
-    try:
-        settings = ServerSettings.from_toml(
-            getattr(args, "config", None),
-            host=args.host if args.host != defaults.host else None,
-            port=args.port if args.port != defaults.port else None,
-            accounts_path=getattr(args, "accounts", None),
-        )
-        options = _merged_engine_options(args, engine_options)
-    except (OSError, ValueError) as e:
-        print(f"expresslane serve: bad config: {e}", file=sys.stderr)
-        return 2
-    model = args.model or options.pop("model", None)
-    options.pop("model", None)
-    options.setdefault("max_queue_seconds", SERVE_MAX_QUEUE_SECONDS)
-    try:
-        engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, options)))
-    except (ExpresslaneError, OSError, ValueError, KeyError) as e:
-        print(f"expresslane serve: cannot load the model: {e}", file=sys.stderr)
-        return 2
-    # Calibrate the step-latency model on a quiet machine, before the server starts.
-    while not engine.ready.wait(1.0):
-        if not engine.is_alive():
-            print("expresslane serve: the engine stopped while starting", file=sys.stderr)
-            return 2
-    # The engine thread holds the GIL between tensor ops; by default a waiting thread gets it
-    # only after 5 ms, which would delay every streamed token by up to that much.
-    sys.setswitchinterval(0.0005)
-    app = create_app(engine, settings)
-    log.info(
-        "serving %s on http://%s:%d/v1", app.state.server.model_name, settings.host, settings.port
-    )
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=UVICORN_GRACE_S,  # after the drain: what is left is closing
-    )
-    try:
-        DrainingServer(config, app.state.server, app.state.lifecycle).run()
-    finally:
-        engine.shutdown()
-    return 0

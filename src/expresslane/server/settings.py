@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from expresslane.errors import InvalidRequestError
+from expresslane.server.preflight import check_types
 
 try:
     import tomllib
@@ -56,6 +57,9 @@ class ServerSettings:
     background_retention_seconds: float = 600.0  # finished background jobs kept in memory
     background_retention_count: int = 1000  # at most this many of them
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one JSON object per log line (`request_log.py`)
+    api_key: str | None = None  # a key that may use every tier, besides the accounts' keys
+    allowed_origins: list[str] | None = None  # CORS origins ("*": any); None: CORS off
 
     prices: dict | None = None  # the [prices] table: base prices per 1M tokens
 
@@ -70,7 +74,10 @@ class ServerSettings:
         data: dict = {}
         if path:
             with open(path, "rb") as f:
-                toml = tomllib.load(f)
+                try:
+                    toml = tomllib.load(f)
+                except tomllib.TOMLDecodeError as e:
+                    raise ValueError(f"{path} is not valid TOML: {e}") from None
             data = dict(toml.get("server", {}))
             if "prices" in toml:
                 data["prices"] = toml["prices"]
@@ -80,7 +87,10 @@ class ServerSettings:
             raise InvalidRequestError(
                 f"unknown [server] setting(s) {unknown} in {path}; known: {sorted(known)}"
             )
+        check_types(cls, data, "server")
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if data.get("log_format", "text") not in ("text", "json"):
+            raise ValueError(f"[server] log_format = {data['log_format']!r}: use text or json")
         return cls(**data)
 
 

@@ -1,0 +1,124 @@
+"""Argument types for the command line: each checks a value when the flags are parsed, so a bad
+one is a single `expresslane CMD: error: ...` line and exit status 2, before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block above them)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def fail(prog: str, message: str) -> int:
+    """Report an error found after parsing the way the parser does; returns exit status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1 to 65535")
+    return value
+
+
+def model_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be a Hugging Face-format model directory, or None."""
+    p = Path(path)
+    if not p.exists():
+        return f"{path} does not exist"
+    if not p.is_dir():
+        return f"{path} is not a directory"
+    if not (p / "config.json").is_file():
+        return f"{path} is not a Hugging Face model directory (it has no config.json)"
+    return None
+
+
+def model_dir(text: str) -> str:
+    problem = model_dir_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return text
+
+
+def lane_setting(text: str) -> str:
+    from expresslane.cli import parse_lane_flags
+
+    try:
+        parse_lane_flags([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def speculative(text: str) -> str:
+    from expresslane.cli import parse_speculative_flag
+
+    try:
+        parse_speculative_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def origins(text: str) -> list[str]:
+    """`*`, `http://a,http://b` or a JSON list (as vLLM takes it)."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {e}") from None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
