@@ -196,9 +196,7 @@ def _add_generate_command(sub) -> None:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     _engine_args(g)
     g.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
-    g.add_argument(
-        "--max-tokens", type=positive_int, default=128, help="most tokens to generate"
-    )
+    g.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens to generate")
     g.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
     )

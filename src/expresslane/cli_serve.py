@@ -30,6 +30,7 @@ def add_serve_command(sub, engine_args) -> None:
     s.add_argument(
         "--seed",
         dest="engine_seed",
+        metavar="N",
         type=non_negative_int,
         default=None,
         help="the engine's random seed: requests without a seed of their own sample repeatably",
@@ -38,23 +39,27 @@ def add_serve_command(sub, engine_args) -> None:
     s.add_argument("--port", type=port, default=None, help="port to listen on (default: 8000)")
     s.add_argument(
         "--config",
+        metavar="FILE",
         type=existing_file,
         default=None,
         help="TOML config file with [server], [engine], [lanes.*] and [prices] tables",
     )
     s.add_argument(
         "--accounts",
+        metavar="PATH",
         default=None,
         help="API keys + usage ledger (SQLite; default: $EXPRESSLANE_ACCOUNTS or "
         "~/.local/share/expresslane/accounts.sqlite)",
     )
     s.add_argument(
         "--served-model-name",
+        metavar="NAME",
         default=None,
         help="the model id clients send and /v1/models lists (default: the directory's name)",
     )
     s.add_argument(
         "--api-key",
+        metavar="KEY",
         default=os.environ.get("EXPRESSLANE_API_KEY"),
         help="require 'Authorization: Bearer KEY' with this key (every tier, no limits), "
         "besides the keys of `expresslane keys` (default: $EXPRESSLANE_API_KEY)",
