@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 
 from expresslane.lanes import build_lanes
-from expresslane.server import chat, completions, responses, websocket
+from expresslane.server import chat, completions, responses, tokenize, websocket
 from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
 from expresslane.server.durability import recover
@@ -105,7 +105,7 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
     if settings.allowed_origins:  # CORS: outside auth, so preflights need no key
         app.add_middleware(CORSMiddleware, **cors_options(settings.allowed_origins))
     app.add_middleware(RequestLog)  # outermost: an id and a log line for every answer
-    for module in (responses, websocket, chat, completions):
+    for module in (responses, websocket, chat, completions, tokenize):
         app.include_router(module.router, responses=ERROR_RESPONSES)
 
     def model_card(state: ServerState) -> dict:

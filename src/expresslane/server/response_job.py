@@ -1,11 +1,14 @@
 """One Responses API request from validation to its stored result, shared by HTTP, SSE,
 background mode and WebSocket mode.
 
-`prepare_response` validates, resolves `previous_response_id` (the re-rendered conversation
-starts with the same tokens as before, so the KV prefix cache serves them), renders the prompt
-and submits it; any problem raises an `APIError` before a byte is sent. `ResponseJob.run`
-drives the assembler and writes events to an `EventLog` that any number of readers follow
-(the SSE writer, a WebSocket, a resumed background stream).
+`prepare_request` validates, resolves `previous_response_id` (the re-rendered conversation
+starts with the same tokens as before, so the KV prefix cache serves them) and renders the
+prompt; `prepare_response` then submits it; any problem raises an `APIError` before a byte is
+`prepare_request` validates, resolves `previous_response_id` (the re-rendered conversation
+starts with the same tokens as before, so the KV prefix cache serves them) and renders the
+prompt; `prepare_response` then submits it; any problem raises an `APIError` before a byte is
+sent. `ResponseJob.run` drives the assembler and writes events to an `EventLog` that any
+number of readers follow (the SSE writer, a WebSocket, a resumed background stream).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from expresslane.engine.output import RequestOutput
+from expresslane.engine.request import Request as EngineRequest
 from expresslane.server.accounts import Ticket
 from expresslane.server.durability import ProgressClock, mark_interrupted
-from expresslane.server.errors import APIError, invalid
+from expresslane.server.errors import invalid
 from expresslane.server.generation import Generation, make_params, prepare, start
 from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
@@ -31,6 +37,8 @@ from expresslane.server.response_builder import ResponseAssembler, base_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
+from expresslane.server.truncation import fit
+from expresslane.tool_parsers import ToolParser
 
 log = logging.getLogger("expresslane.server")
 NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
@@ -275,6 +283,86 @@ def resolve_previous(
     return stored.context
 
 
+def _with_logprobs(req: ResponseCreateRequest) -> bool:
+    return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
+
+
+@dataclass
+class Prepared:
+    """A validated Responses request, rendered and tokenized, not yet submitted."""
+
+    engine_req: EngineRequest
+    items: list[dict]
+    context: list[dict]
+    new_messages: list[dict]
+    tools: list[dict]
+    choice: Any
+    parser: ToolParser | None
+    prefix: str
+
+
+async def prepare_request(
+    state: ServerState,
+    req: ResponseCreateRequest,
+    *,
+    ticket: Ticket,
+    local: dict[str, list[dict]] | None = None,
+    generate: bool = True,
+) -> Prepared:
+    """Validate, resolve previous_response_id, render (truncation=auto: `truncation.py`) and
+    tokenize; touches no engine state, so POST /v1/responses/input_tokens counts with it."""
+    state.check_model(req.model)
+    if req.background and req.store is False:
+        raise invalid("background mode needs store=true.", param="background")
+    raw_input = req.input if req.input is not None else []
+    chars = state.check_size(
+        items=len(raw_input) if isinstance(raw_input, list) else 1,
+        tools=len(req.tools or []),
+        text=[raw_input, req.instructions],
+        param="input",
+        truncate=req.truncation == "auto",
+    )
+    context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
+    items, new_messages = responses_input(raw_input, context)
+    tools, choice, parser, prefix = _tool_setup(state, req)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    skip_special = req.skip_special_tokens
+    if skip_special is None and parser is not None and parser.needs_special_tokens:
+        skip_special = False
+    params = make_params(
+        NAMES,
+        req,
+        max_tokens=req.max_output_tokens if generate else 1,
+        seed=req.seed,
+        logprobs=(req.top_logprobs or 0) if _with_logprobs(req) else None,
+        skip_special_tokens=skip_special,
+    )
+    rid = new_id("resp")
+    template = template_tools(tools) if parser else None
+
+    def attempt(messages: list[dict]) -> EngineRequest:
+        prompt = render(state.tokenizer, messages, template, prefix)
+        return prepare(
+            state,
+            prompt,
+            params,
+            ticket=ticket,
+            request_id=rid,
+            names=NAMES,
+            add_special_tokens=False,
+            cache_salt=req.cache_salt,
+        )
+
+    def render_and_prepare() -> EngineRequest:
+        messages = system + context + new_messages
+        if req.truncation == "auto":
+            return fit(messages, attempt, state.max_prompt_chars)
+        return attempt(messages)
+
+    engine_req = await off_loop(render_and_prepare, chars + text_size(context))
+    return Prepared(engine_req, items, context, new_messages, tools, choice, parser, prefix)
+
+
 async def prepare_response(
     state: ServerState,
     req: ResponseCreateRequest,
@@ -285,75 +373,27 @@ async def prepare_response(
     generate: bool = True,
     ticket: Ticket,
 ) -> ResponseJob:
-    model = state.check_model(req.model)
-    store = req.store is not False
-    if req.background and not store:
-        raise invalid("background mode needs store=true.", param="background")
-    tier = ticket.tier
-    raw_input = req.input if req.input is not None else []
-    chars = state.check_size(
-        items=len(raw_input) if isinstance(raw_input, list) else 1,
-        tools=len(req.tools or []),
-        text=[raw_input, req.instructions],
-        param="input",
-    )
-    context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
-    items, new_messages = responses_input(req.input if req.input is not None else [], context)
-    tools, choice, parser, prefix = _tool_setup(state, req)
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    history = context + new_messages
-    with_logprobs = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
-    skip_special = req.skip_special_tokens
-    if skip_special is None and parser is not None and parser.needs_special_tokens:
-        skip_special = False
-    params = make_params(
-        NAMES,
-        req,
-        max_tokens=req.max_output_tokens if generate else 1,
-        seed=req.seed,
-        logprobs=(req.top_logprobs or 0) if with_logprobs else None,
-        skip_special_tokens=skip_special,
-    )
-    rid = new_id("resp")
-
-    def render_and_prepare():
-        turns = history
-        while True:
-            prompt = render(
-                state.tokenizer, system + turns, template_tools(tools) if parser else None, prefix
-            )
-            try:
-                return prepare(
-                    state,
-                    prompt,
-                    params,
-                    ticket=ticket,
-                    request_id=rid,
-                    names=NAMES,
-                    add_special_tokens=False,
-                    cache_salt=req.cache_salt,
-                )
-            except APIError as e:  # truncation=auto drops the oldest turns until it fits
-                if req.truncation != "auto" or e.code != "context_length_exceeded":
-                    raise
-                if len(turns) <= 1:
-                    raise
-                turns = turns[1:]
-
-    engine_req = await off_loop(render_and_prepare, chars + text_size(context))
-    (gen,) = start(state, [engine_req], ticket, received)
+    p = await prepare_request(state, req, ticket=ticket, local=local, generate=generate)
+    (gen,) = start(state, [p.engine_req], ticket, received)
+    model, store = state.check_model(req.model), req.store is not False
     response = base_response(
-        rid, req, model=model, tier=tier, tools=tools, tool_choice=choice, store=store
+        p.engine_req.request_id,
+        req,
+        model=model,
+        tier=ticket.tier,
+        tools=p.tools,
+        tool_choice=p.choice,
+        store=store,
     )
     event_log = EventLog(extra)
-    streamer = parser.streamer() if parser is not None else None
-    if streamer is not None and prefix:
-        streamer.feed(prefix)
+    streamer = p.parser.streamer() if p.parser is not None else None
+    if streamer is not None and p.prefix:
+        streamer.feed(p.prefix)
     assembler = ResponseAssembler(
-        response, event_log.emit, state.tokenizer, streamer, with_logprobs, req.max_tool_calls
+        response, event_log.emit, state.tokenizer, streamer, _with_logprobs(req), req.max_tool_calls
     )
     job = ResponseJob(
-        state, response, items, context, new_messages, gen, assembler, event_log, store
+        state, response, p.items, p.context, p.new_messages, gen, assembler, event_log, store
     )
     job.warmup = not generate
     return job

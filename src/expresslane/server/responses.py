@@ -1,5 +1,6 @@
 """The Responses API over HTTP: create (JSON, SSE, background), retrieve (and resume a
-background stream), delete, cancel, list input items. WebSocket mode is in `websocket.py`."""
+background stream), delete, cancel, list input items, count input tokens. WebSocket mode is in
+`websocket.py`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
+from expresslane.server.accounts import Ticket
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid, not_found
-from expresslane.server.response_job import ResponseJob, prepare_response
-from expresslane.server.schemas import ResponseCreateRequest
+from expresslane.server.response_job import ResponseJob, prepare_request, prepare_response
+from expresslane.server.schemas import InputTokensRequest, ResponseCreateRequest
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
@@ -45,6 +48,27 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     if job.response["status"] == "failed":
         raise generation_error(job.response["error"]["message"])
     return JSONResponse(job.response)
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
+@router.post("/v1/responses/input_tokens", response_model=InputTokens)
+async def count_input_tokens(body: InputTokensRequest, request: Request):
+    """The prompt tokens the same create would use, truncation included; nothing runs."""
+    if body.conversation is not None:
+        raise invalid(
+            "Conversations are not supported by this server; send the items, or use "
+            "previous_response_id.",
+            param="conversation",
+            code="unsupported_parameter",
+        )
+    key = request.state.api_key  # set by AuthMiddleware
+    ticket = Ticket(key, key.plan.default_tier, key.plan.default_tier)  # no lane is used
+    prepared = await prepare_request(get_state(request), body, ticket=ticket)
+    return InputTokens(input_tokens=prepared.engine_req.num_prompt_tokens)
 
 
 def _owner(request: Request) -> str:

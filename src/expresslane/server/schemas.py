@@ -121,6 +121,14 @@ class WsResponseCreate(ResponseCreateRequest):
     event_id: str | None = None
 
 
+class InputTokensRequest(ResponseCreateRequest):
+    """POST /v1/responses/input_tokens: the create body (fields that only steer generation
+    are accepted and ignored; `max_output_tokens` sets the room truncation=auto leaves)."""
+
+    conversation: str | dict[str, Any] | None = None  # accepted; not supported (400)
+    personality: str | None = Field(None, max_length=64)  # accepted, ignored
+
+
 # -- Chat Completions -------------------------------------------------------------------------
 
 

@@ -55,12 +55,17 @@ class ServerState:
             return None
         return context * tokenizer.longest_token_chars()
 
-    def check_size(self, *, items: int, tools: int, text: Any, param: str) -> int:
-        """400 for a request over the size limits, before any work; returns its characters."""
+    def check_size(
+        self, *, items: int, tools: int, text: Any, param: str, truncate: bool = False
+    ) -> int:
+        """400 for a request over the size limits, before any work; returns its characters.
+        A request that may be truncated (`truncation.py`) is held to the character bound
+        only for what it keeps."""
         check_count(items, self.settings.max_input_items, param, "items")
         check_count(tools, self.settings.max_tools, "tools", "tools")
         chars = text_size(text)
-        check_chars(chars, self.max_prompt_chars, param)
+        if not truncate:
+            check_chars(chars, self.max_prompt_chars, param)
         return chars
 
     def check_model(self, model: str | None) -> str:
