@@ -21,6 +21,7 @@ class Output:
     num_cached_tokens: int
     metrics: dict = field(default_factory=dict)  # ttft, queue_time, e2e (s), decode_tokens_per_s
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def _output(req: Request) -> Output:
@@ -43,6 +44,7 @@ def _output(req: Request) -> Output:
             "num_preemptions": m.num_preemptions,
         },
         logprobs=list(req.logprobs),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

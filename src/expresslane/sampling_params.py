@@ -54,6 +54,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's plus the top n
     skip_special_tokens: bool = True
+    # logit adjustments (engine/penalties.py), OpenAI's and vLLM's names and meanings
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    min_p: float = 0.0
+    prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's plus the top n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +87,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._check_stops()
+        self._check_logit_controls()
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -100,6 +108,41 @@ class SamplingParams:
                     param="stop_token_ids",
                 )
 
+    def _check_logit_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), lambda v: -2.0 <= v <= 2.0, "between -2 and 2")
+        _check_real(
+            "repetition_penalty", self.repetition_penalty, lambda v: v > 0.0, "greater than 0"
+        )
+        _check_real("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if not self.logit_bias:
+            self.logit_bias = None
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+        for t, bias in self.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be non-negative token ids, got {t!r}",
+                    param="logit_bias",
+                )
+            _check_real(
+                "logit_bias", bias, lambda v: -100.0 <= v <= 100.0, "a map to biases in [-100, 100]"
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties, biases or min_p change this request's logits (engine/penalties.py)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or (self.min_p > 0.0 and not self.greedy)
+        )

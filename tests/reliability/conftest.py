@@ -91,7 +91,7 @@ BASE = {
 COMMON = [
     "model", "stream", "temperature", "top_p", "top_k", "seed", "stop", "service_tier",
     "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "user",
-    "stream_options", "tools", "tool_choice",
+    "stream_options", "tools", "tool_choice", "repetition_penalty", "min_p",
 ]  # fmt: skip
 FIELDS = {
     "/v1/responses": COMMON + [
@@ -102,9 +102,11 @@ FIELDS = {
     "/v1/chat/completions": COMMON + [
         "messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
         "response_format", "logit_bias", "metadata", "parallel_tool_calls", "presence_penalty",
+        "frequency_penalty",
     ],
     "/v1/completions": COMMON + [
         "prompt", "max_tokens", "n", "logprobs", "echo", "suffix", "best_of", "logit_bias",
+        "presence_penalty", "frequency_penalty",
     ],
 }  # fmt: skip
 # Fields that bound the generation: never removed, so no example generates to the context end.
@@ -146,7 +148,7 @@ def item_with(value) -> st.SearchStrategy:
             {"role": role, "content": st.lists(st.fixed_dictionaries({
                 "type": st.sampled_from(["input_text", "output_text", "text", "image"]),
                 "text": value,
-            }), max_size=2)}
+            }), min_size=1, max_size=2)}
         ),
     )  # fmt: skip
 
@@ -171,16 +173,18 @@ def bodies(draw, path: str, values: st.SearchStrategy = plain_values) -> dict:
     """A base body of `path` with 1-3 fields replaced by `values` (nested too), maybe an
     unknown field added or a field removed, and maybe streamed."""
     body = dict(BASE[path])
+    placed = set()
     for _ in range(draw(st.integers(1, 3))):
         field, value = draw(_placed(path, values))
         if field in LENGTH_FIELDS and value is None:
             continue
         body[field] = value
+        placed.add(field)
     action = draw(st.sampled_from(["none", "none", "unknown", "remove"]))
     if action == "unknown":
         body[draw(text)] = draw(plain_values)
     elif action == "remove":
-        removable = sorted(set(body) - LENGTH_FIELDS)
+        removable = sorted(set(body) - LENGTH_FIELDS - placed)  # the drawn values stay
         if removable:
             body.pop(draw(st.sampled_from(removable)))
     if draw(st.booleans()):

@@ -187,12 +187,12 @@ def test_unsupported_features_say_so(http, model_name):
             json={
                 "model": model_name,
                 "messages": [{"role": "user", "content": "x"}],
-                "presence_penalty": 0.5,
+                "presence_penalty": 2.5,
             },
         ),
         400,
         param="presence_penalty",
-        says="not supported",
+        says="presence_penalty",
     )
     check(
         http.post(

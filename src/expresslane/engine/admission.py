@@ -57,6 +57,12 @@ def check_params(
             f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}",
             param="stop_token_ids",
         )
+    bad = [t for t in params.logit_bias or () if t >= vocab]
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}",
+            param="logit_bias",
+        )
     if params.top_k >= vocab:
         params = dataclasses.replace(params, top_k=0)
     return params

@@ -69,8 +69,11 @@ class KVCacheManager:
     def acquire_prefix(self, req: Request) -> int:
         """For a request with no blocks yet: take the cached blocks that hold a prefix of its
         tokens and return how many tokens they cover. At least one token is always left to
-        compute, since the last position's logits are needed."""
+        compute, since the last position's logits are needed. A request that wants its prompt
+        tokens' logprobs takes none: it needs the logits of every prompt position."""
         if not self.enable_prefix_caching or req.block_ids:
+            return 0
+        if req.params.prompt_logprobs is not None:
             return 0
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs

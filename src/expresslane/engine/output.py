@@ -25,6 +25,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     new_logprobs: list[dict] = field(default_factory=list)
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
+    # complete from the first output that has tokens
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class TextState:
@@ -114,4 +117,5 @@ class OutputProcessor:
             if req.logprobs and num_new_tokens
             else [],
             error=error,
+            prompt_logprobs=req.prompt_logprobs,
         )

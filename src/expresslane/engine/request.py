@@ -90,6 +90,10 @@ class Request:
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []
+        # entry k: prompt token k's logprob (none for the first), as they are computed
+        self.prompt_logprobs: list[dict | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.detok = None  # set by the engine's output processor
 
     def keep_guesses(self, n: int) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from expresslane.engine import prompt_logprobs
+from expresslane.engine.prompt_logprobs import PromptRows
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler, SampleResult
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
@@ -71,11 +73,13 @@ class ModelRunner:
         table = np.asarray(req.block_ids, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, items: list[tuple[Request, int]]):
+    def prepare(self, items: list[tuple[Request, int]], prompt_rows: PromptRows | None = None):
         """Order the batch and build (input_ids, positions, metadata, logits rows, samples).
 
         `samples` lists (request, rows): the request's last known token is sampled, plus one
-        row per speculative guess in `draft_ids` (those tokens are scored in the same pass)."""
+        row per speculative guess in `draft_ids` (those tokens are scored in the same pass).
+        With `prompt_rows`, the logits rows end with the prompt positions whose logprobs
+        requests ask for, and `prompt_rows` gets (request, first position, count) for them."""
         q_len = items[0][1] if items else 0
         decoding = (n == q_len and r.num_computed_tokens == r.num_tokens - 1 for r, n in items)
         if items and all(decoding):
@@ -88,6 +92,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         samples: list[tuple[Request, int]] = []
         prefills: list[PrefillChunk] = []
+        extra_rows: list[int] = []
         for req, n in decodes + chunks:
             start = req.num_computed_tokens
             end = start + n
@@ -106,6 +111,11 @@ class ModelRunner:
                 first = row0 + (req.num_tokens - 1 - start)
                 logits_rows.extend(range(first, row0 + n))
                 samples.append((req, row0 + n - first))
+            scored = range(0) if prompt_rows is None else prompt_logprobs.wanted(req, start, end)
+            if scored:
+                prompt_rows.append((req, scored.start, len(scored)))
+                extra_rows.extend(row0 + p - start for p in scored)
+        logits_rows.extend(extra_rows)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
             prefills=prefills,
@@ -166,10 +176,15 @@ class ModelRunner:
     def step(
         self, items: list[tuple[Request, int]]
     ) -> tuple[list[tuple[Request, int]], SampleResult | None]:
-        input_ids, positions, meta, rows, samples = self.prepare(items)
+        prompt_rows: PromptRows = []
+        input_ids, positions, meta, rows, samples = self.prepare(items, prompt_rows)
         logits = self.model(input_ids, positions, meta, rows)
-        if not samples:
-            return samples, None
-        row_reqs = [req for req, n in samples for _ in range(n)]
-        offsets = [j for _, n in samples for j in range(n)]
-        return samples, self.sampler(logits, row_reqs, offsets)
+        sampled = sum(n for _, n in samples)
+        result = None
+        if samples:
+            row_reqs = [req for req, n in samples for _ in range(n)]
+            offsets = [j for _, n in samples for j in range(n)]
+            result = self.sampler(logits[:sampled] if prompt_rows else logits, row_reqs, offsets)
+        if prompt_rows:  # after sampling: a step that raises records nothing
+            prompt_logprobs.record(logits[sampled:], prompt_rows)
+        return samples, result

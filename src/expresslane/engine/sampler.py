@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expresslane.engine.penalties import apply_penalties
 from expresslane.engine.request import Request
 
 
@@ -77,6 +78,7 @@ class Sampler:
         draft_ids[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
         logits = self._mask_early_stops(logits, reqs)
+        logits = apply_penalties(logits, reqs, offsets)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = greedy_tokens(logits)

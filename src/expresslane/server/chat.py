@@ -13,7 +13,13 @@ from fastapi.responses import JSONResponse, Response
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.chat_choice import Choice, chat_usage, check_finished
 from expresslane.server.errors import APIError, invalid
-from expresslane.server.generation import abort_all, make_params, merged, submit_all
+from expresslane.server.generation import (
+    abort_all,
+    make_params,
+    merged,
+    openai_penalties,
+    submit_all,
+)
 from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
@@ -76,6 +82,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             seed=None if body.seed is None else body.seed + i,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             skip_special_tokens=skip,
+            **openai_penalties(body),
         )
         for i in range(n)
     ]

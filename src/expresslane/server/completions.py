@@ -1,5 +1,6 @@
 """POST /v1/completions: a string, strings, token ids or lists of token ids; plain or streamed;
-`n` choices per prompt (index = prompt * n + choice), `echo`, `logprobs` (top-N)."""
+`n` choices per prompt (index = prompt * n + choice), `echo`, `logprobs` (top-N; with `echo`
+the prompt tokens' too, the first one's null as in OpenAI's)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from fastapi.responses import JSONResponse, Response
 
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid
-from expresslane.server.generation import abort_all, make_params, merged, submit_all
+from expresslane.server.generation import (
+    abort_all,
+    make_params,
+    merged,
+    openai_penalties,
+    submit_all,
+)
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
@@ -54,7 +61,7 @@ def _check_prompts(state: ServerState, prompts: list[str | list[int]]) -> int:
 
 
 class _Choice:
-    def __init__(self, index: int, echo: str, logprobs: bool):
+    def __init__(self, index: int, echo: str, logprobs: bool, prompt_ids: list[int] | None):
         self.index = index
         self.text = echo
         self.logprobs = (
@@ -62,12 +69,21 @@ class _Choice:
             if logprobs
             else None
         )
+        # echo with logprobs: the echo is sent with its tokens' logprobs, in the first output
+        self.prompt_ids = prompt_ids
         self.final = None
 
     def add(self, tokenizer, out) -> tuple[str, dict | None]:
-        lp = None
+        head, lp = "", None
+        if self.prompt_ids is not None and out.prompt_logprobs is not None:
+            lp = completion_logprobs(tokenizer, self.prompt_ids, out.prompt_logprobs, 0)
+            head, self.prompt_ids = self.text, None
         if self.logprobs is not None and out.new_logprobs:
-            lp = completion_logprobs(tokenizer, out.new_token_ids, out.new_logprobs, len(self.text))
+            new = completion_logprobs(
+                tokenizer, out.new_token_ids, out.new_logprobs, len(self.text)
+            )
+            lp = new if lp is None else {key: lp[key] + new[key] for key in lp}
+        if lp is not None:
             for key, values in lp.items():
                 self.logprobs[key] += values
         self.text += out.new_text
@@ -75,11 +91,24 @@ class _Choice:
             self.final = out
             if out.finish_reason in ("error", "abort"):
                 raise generation_error(out.error)
-        return out.new_text, lp
+        return head + out.new_text, lp
+
+    def body(self) -> dict:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
 
     @property
     def finish_reason(self) -> str:
         return "length" if self.final and self.final.finish_reason == "length" else "stop"
+
+
+def _prompt_ids(gen) -> list[int]:
+    req = gen.request
+    return req.token_ids[: req.num_prompt_tokens]
 
 
 def _usage(choices: list[_Choice], n: int) -> dict:
@@ -95,20 +124,11 @@ def _usage(choices: list[_Choice], n: int) -> dict:
     }
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    received = time.perf_counter()
-    state: ServerState = get_state(request)
-    model = state.check_model(body.model)
+def _check_unsupported(body: CompletionRequest) -> int:
+    """The number of choices per prompt, or a 400 for what this server does not do."""
     check_unsupported(body)
     if body.suffix:
         raise invalid("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
-    if body.echo and body.logprobs is not None:
-        raise invalid(
-            "'echo' together with 'logprobs' is not supported.",
-            param="echo",
-            code="unsupported_parameter",
-        )
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise invalid(
@@ -116,11 +136,12 @@ async def completions(body: CompletionRequest, request: Request):
             param="best_of",
             code="unsupported_parameter",
         )
-    prompts = _prompts(body.prompt)
-    chars = _check_prompts(state, prompts)
-    ticket = state.admit(request, body.service_tier)
+    return n
+
+
+def _choices_of(body: CompletionRequest, prompts: list, n: int, tok):
+    """(prompt, sampling params, echo text) of every choice: each prompt n times."""
     all_prompts, params, echoes = [], [], []
-    tok = state.tokenizer
     for p in prompts:
         echo = ""
         if body.echo:
@@ -135,9 +156,25 @@ async def completions(body: CompletionRequest, request: Request):
                     max_tokens=body.max_tokens,
                     seed=None if body.seed is None else body.seed + j,
                     logprobs=body.logprobs,
+                    prompt_logprobs=body.logprobs if body.echo else None,
                     skip_special_tokens=body.skip_special_tokens,
+                    **openai_penalties(body),
                 )
             )
+    return all_prompts, params, echoes
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    received = time.perf_counter()
+    state: ServerState = get_state(request)
+    model = state.check_model(body.model)
+    n = _check_unsupported(body)
+    prompts = _prompts(body.prompt)
+    chars = _check_prompts(state, prompts)
+    ticket = state.admit(request, body.service_tier)
+    tok = state.tokenizer
+    all_prompts, params, echoes = _choices_of(body, prompts, n, tok)
     cid = "cmpl-" + uuid.uuid4().hex
     gens = await submit_all(
         state,
@@ -151,7 +188,12 @@ async def completions(body: CompletionRequest, request: Request):
         chars=chars * n,
         cache_salt=body.cache_salt,
     )
-    choices = [_Choice(i, echoes[i], body.logprobs is not None) for i in range(len(gens))]
+    with_logprobs = body.logprobs is not None
+    echo_logprobs = body.echo and with_logprobs
+    choices = [
+        _Choice(i, echoes[i], with_logprobs, _prompt_ids(g) if echo_logprobs else None)
+        for i, g in enumerate(gens)
+    ]
     base = {
         "id": cid,
         "object": "text_completion",
@@ -176,19 +218,7 @@ async def completions(body: CompletionRequest, request: Request):
         return Response(status_code=499)
     task.result()
     return JSONResponse(
-        {
-            **base,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": _usage(choices, n),
-        }
+        {**base, "choices": [c.body() for c in choices], "usage": _usage(choices, n)}
     )
 
 
@@ -206,7 +236,7 @@ async def _stream(state, gens, choices, base, n: int, include_usage: bool):
         )
 
     for c in choices:
-        if c.text:  # echo
+        if c.text and c.prompt_ids is None:  # echo (with logprobs: in the first output)
             yield chunk(c.index, c.text)
     try:
         async for i, out in merged(gens):

@@ -17,7 +17,7 @@ from expresslane.engine.request import Request
 from expresslane.errors import ExpresslaneError
 from expresslane.sampling_params import SamplingParams
 from expresslane.server.accounts import Ticket
-from expresslane.server.errors import APIError, from_engine_error
+from expresslane.server.errors import APIError, from_engine_error, invalid
 from expresslane.server.keys import LOCAL_OWNER
 from expresslane.server.limits import off_loop
 from expresslane.server.state import ServerState
@@ -34,6 +34,8 @@ SHARED_SAMPLING_FIELDS = (
     "stop_token_ids",
     "min_tokens",
     "ignore_eos",
+    "repetition_penalty",
+    "min_p",
 )
 
 
@@ -46,6 +48,26 @@ def make_params(names: dict[str, str], body=None, **kwargs) -> SamplingParams:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ExpresslaneError as e:
         raise from_engine_error(e, names) from e
+
+
+def openai_penalties(body) -> dict:
+    """Chat's and Completions' presence_penalty, frequency_penalty and logit_bias as
+    SamplingParams takes them: logit_bias keys are token ids written as strings."""
+    bias = None
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise invalid(
+                    f"'logit_bias' keys must be token ids written as strings, got {key!r}.",
+                    param="logit_bias",
+                )
+            bias[int(key)] = value
+    return {
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "logit_bias": bias,
+    }
 
 
 class Generation:

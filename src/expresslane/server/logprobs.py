@@ -24,14 +24,21 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict]) -> list
     return out
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], offset: int) -> dict:
-    """Legacy Completions form: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(
+    tokenizer, token_ids: list[int], logprobs: list[dict | None], offset: int
+) -> dict:
+    """Legacy Completions form: tokens, token_logprobs, top_logprobs, text_offset (a None
+    entry, the first prompt token's, gives nulls)."""
     tokens, values, tops, offsets = [], [], [], []
     for tid, lp in zip(token_ids, logprobs, strict=False):
         text = token_text(tokenizer, tid)
         tokens.append(text)
-        values.append(float(lp["token"]))
-        tops.append({token_text(tokenizer, t): float(v) for t, v in lp.get("top", ())})
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(float(lp["token"]))
+            tops.append({token_text(tokenizer, t): float(v) for t, v in lp.get("top", ())})
         offsets.append(offset)
         offset += len(text)
     return {

@@ -3,7 +3,8 @@
 Input items and chat messages stay loosely typed here (`dict`); `prompt.py` checks them one by
 one so an error can name the exact field (`input[2].call_id`).
 Engine extensions (vLLM-style) are accepted on every endpoint: `top_k`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, and `seed`/`stop` on Responses.
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `repetition_penalty`, `min_p`, and
+`seed`/`stop` on Responses.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class EngineExtras(Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
     # isolates this request's prefix-cache entries: only requests with the same salt (and, with
     # API keys, the same owner) share cached prefixes (vLLM's name)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
@@ -218,20 +221,8 @@ class CompletionRequest(EngineExtras):
 
 
 def check_unsupported(body) -> None:
-    """Fields the API defines but this server cannot honour yet: a clear 400."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name, None):
-            raise invalid(
-                f"'{name}' is not supported by this server yet; omit it or send 0.",
-                param=name,
-                code="unsupported_parameter",
-            )
-    if getattr(body, "logit_bias", None):
-        raise invalid(
-            "'logit_bias' is not supported by this server yet.",
-            param="logit_bias",
-            code="unsupported_parameter",
-        )
+    """Fields the API defines but this server cannot honour yet, or not in this combination:
+    a clear 400."""
     if body.stream_options is not None and not body.stream:
         raise invalid(
             "'stream_options' is only allowed when 'stream' is true.",
