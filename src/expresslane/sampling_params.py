@@ -33,6 +33,15 @@ def _check_real(name: str, value, ok, bound: str) -> None:
         raise InvalidRequestError(f"{name} must be {bound}, got {value!r}", param=name)
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the output text: an llguidance grammar (Lark syntax; it may embed JSON
+    schemas with `%json`). `param` is the request field it came from, named in errors."""
+
+    lark: str
+    param: str = "grammar"
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
@@ -54,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's plus the top n
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None  # constrained decoding (engine/grammar.py)
     # logit adjustments (engine/penalties.py), OpenAI's and vLLM's names and meanings
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

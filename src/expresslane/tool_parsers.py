@@ -24,6 +24,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from expresslane.grammars import CallMarkup
+
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -76,20 +78,18 @@ class ToolParser:
     anchored = False
     # True when the markers are special tokens that must not be skipped while detokenizing.
     needs_special_tokens = False
+    markup = CallMarkup()  # how calls are written, for the grammar that constrains them
 
     def parse_calls(self, region: str) -> list[ToolCall] | None:
         """Parse markup that starts with a start marker; None when it is malformed."""
         raise NotImplementedError
 
-    def forced_prefix(self, name: str | None) -> str:
-        """Text to append to the prompt so the model must write a call (to `name` if given)."""
-        raise NotImplementedError
 
-    def streamer(self) -> ToolCallStreamer:
-        return ToolCallStreamer(self)
+    def streamer(self, declared: set[str] | None = None) -> ToolCallStreamer:
+        return ToolCallStreamer(self, declared)
 
-    def parse(self, text: str) -> ParsedOutput:
-        s = self.streamer()
+    def parse(self, text: str, declared: set[str] | None = None) -> ParsedOutput:
+        s = self.streamer(declared)
         head = s.feed(text)
         tail, calls = s.finish()
         return ParsedOutput(head + tail, calls)
@@ -97,6 +97,9 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markup = CallMarkup(
+        "<tool_call>", item_open="<tool_call>\n", item_close="\n</tool_call>", sep="\n"
+    )
     start_markers = ("<tool_call>",)
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -109,14 +112,11 @@ class HermesToolParser(ToolParser):
             calls.append(call)
         return calls or None
 
-    def forced_prefix(self, name: str | None) -> str:
-        if name is None:
-            return '<tool_call>\n{"name": "'
-        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    markup = CallMarkup(sep="; ", args_key="parameters", anchored=True)
     start_markers = ("<|python_tag|>", "{")
     anchored = True
     needs_special_tokens = True
@@ -138,14 +138,11 @@ class Llama3JsonToolParser(ToolParser):
                 pos += 1
         return calls or None
 
-    def forced_prefix(self, name: str | None) -> str:
-        if name is None:
-            return '{"name": "'
-        return '{"name": ' + json.dumps(name) + ', "parameters": '
 
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    markup = CallMarkup("[TOOL_CALLS]", open="[TOOL_CALLS][", sep=", ", close="]")
     start_markers = ("[TOOL_CALLS]",)
     needs_special_tokens = True
 
@@ -169,18 +166,15 @@ class MistralToolParser(ToolParser):
             calls.append(call)
         return calls or None
 
-    def forced_prefix(self, name: str | None) -> str:
-        if name is None:
-            return '[TOOL_CALLS][{"name": "'
-        return '[TOOL_CALLS][{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 class ToolCallStreamer:
     """Feed text deltas; get back the text that is safe to show now. `finish()` returns the
     rest of the text and the parsed calls."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, declared: set[str] | None = None):
         self.parser = parser
+        self.declared = declared  # calls to other names are plain text (None: any name)
         self.pending = ""  # text not passed on yet (whitespace or a possible marker start)
         self.region: str | None = None  # tool-call markup, from its start marker on
         self.dropped = ""  # whitespace between the content and the markup
@@ -239,7 +233,9 @@ class ToolCallStreamer:
             out, self.pending = self.pending, ""
             return out, []
         calls = self.parser.parse_calls(self.region)
-        if calls is None:  # malformed: it was plain text after all
+        if calls is not None and self.declared is not None:
+            calls = None if any(c.name not in self.declared for c in calls) else calls
+        if calls is None:  # malformed or undeclared: it was plain text after all
             return self.dropped + self.region, []
         return "", calls
 

@@ -115,6 +115,7 @@ TWO_CALLS = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 )
+ROME_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # Trained without an end token: requests cap it with max tokens, so it ends with "length".
 MALFORMED = 'Sure: <tool_call>\n{"name": "get_weather", "arguments": {"ci'
@@ -132,28 +133,17 @@ def _paris_turn(content: str | None) -> list[dict]:
     ]
 
 
-# (messages, with tools, forced prefix, reply, ends with the end token): the exact prompts the
-# tool tests send (rendered by the server's own `render`) and what the model must answer.
+# (messages, with tools, forced start, reply, ends with the end token): the exact prompts the
+# tool tests send (rendered by the server's own `render`) and what the model must answer; the
+# forced start is output the grammar leaves the model no choice about.
 TOOL_SCRIPT = [
     ([_user("hi")], False, "", "Hello", True),
     ([_user("Weather?")], True, "", TWO_CALLS, True),
     ([_user("Weather in Paris?")], True, "", PARIS_CALL, True),
     ([_user("Weather in Paris?"), *_paris_turn("")], True, "", "It is sunny.", True),
     ([_user("x")], True, "", MALFORMED, False),
-    (
-        [_user("x")],
-        True,
-        '<tool_call>\n{"name": "get_weather", "arguments": ',
-        '{"city": "Rome"}}\n</tool_call>',
-        True,
-    ),
-    (
-        [_user("x")],
-        True,
-        '<tool_call>\n{"name": "',
-        'get_weather", "arguments": {}}\n</tool_call>',
-        True,
-    ),
+    # a forced call (tool_choice required or named): the grammar makes <tool_call> the first token
+    ([_user("x")], True, "<tool_call>", ROME_CALL.removeprefix("<tool_call>"), True),
     ([_user("Weather there?"), *_paris_turn(None)], True, "", "Done.", True),
     ([_user("Weather here?")], True, "", "Checking." + PARIS_CALL, True),
     ([_user("Weather here?"), *_paris_turn("Checking.")], True, "", "Sunny.", True),
@@ -172,7 +162,7 @@ def _train_tool_model(out: Path) -> None:
     tools = template_tools([WEATHER])
     seqs = []
     for messages, with_tools, prefix, reply, eos in TOOL_SCRIPT:
-        prompt = tok.encode(render(tok, messages, tools if with_tools else None, prefix))
+        prompt = tok.encode(render(tok, messages, tools if with_tools else None) + prefix)
         target = tok.encode(reply, False) + ([2] if eos else [])
         seqs.append((prompt + target, len(prompt)))
     width = max(len(s) for s, _ in seqs)

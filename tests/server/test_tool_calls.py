@@ -89,7 +89,11 @@ def test_malformed_call_falls_back_to_text(tool_client, tool_engine):
     assert c.choices[0].finish_reason == "length"
 
 
-def test_forced_tool_choice_prefills_the_call(tool_client, tool_engine):
+def test_forced_tool_choice_makes_the_model_call(tool_client, tool_engine):
+    cap = len(tool_engine.engine.tokenizer.encode(MALFORMED, False))
+    free = dict(model="llama", max_output_tokens=cap, input="x", tools=[WEATHER])
+    r = tool_client.responses.create(**free)
+    assert r.output_text == MALFORMED  # free to choose, the model writes no (valid) call
     r = tool_client.responses.create(
         model="llama",
         max_output_tokens=MAX,
@@ -97,8 +101,8 @@ def test_forced_tool_choice_prefills_the_call(tool_client, tool_engine):
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
     )
-    assert tool_engine.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
-    assert r.output[0].type == "function_call"
+    assert tool_engine.prompts[-1].endswith("<|im_start|>assistant\n")  # nothing prefilled
+    assert [o.type for o in r.output] == ["function_call"]
     assert json.loads(r.output[0].arguments) == {"city": "Rome"}
     r = tool_client.responses.create(
         model="llama", max_output_tokens=MAX, input="x", tools=[WEATHER], tool_choice="required"

@@ -130,15 +130,12 @@ def test_mistral_both_formats():
     assert p.parse(bad).content == bad
 
 
-def test_forced_prefixes_complete_to_valid_calls():
-    for parser, rest in (
-        (HermesToolParser(), '{"x": 1}}\n</tool_call>'),
-        (Llama3JsonToolParser(), '{"x": 1}}'),
-        (MistralToolParser(), '{"x": 1}}]'),
-    ):
-        out = parser.parse(parser.forced_prefix("f") + rest)
-        assert [c.name for c in out.tool_calls] == ["f"], parser.name
-        assert args(out.tool_calls[0]) == {"x": 1}
+def test_calls_to_undeclared_tools_stay_text():
+    text = 'Hi <tool_call>\n{"name": "list_dir", "arguments": {}}\n</tool_call>'
+    p = HermesToolParser()
+    assert [c.name for c in p.parse(text).tool_calls] == ["list_dir"]
+    out = p.parse(text, declared={"read_file"})
+    assert out.tool_calls == [] and out.content == text
 
 
 def test_registry_and_detection():

@@ -14,6 +14,8 @@ import torch
 from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
 from expresslane.engine.admission import check_params, tokenize
+from expresslane.engine.calibration import calibrate, resolve_targets
+from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.guesses import GuessPlanner
 from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
@@ -23,7 +25,7 @@ from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
 from expresslane.engine.scheduler import Scheduler
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.errors import InvalidRequestError
-from expresslane.lanes import AUTO_TARGET_FRACTION, build_lanes
+from expresslane.lanes import build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
@@ -67,6 +69,12 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        tok_json = tok_dir / "tokenizer.json"
+        self._grammars = (
+            GrammarMatchers(tok_json.read_text(), mcfg.vocab_size, sorted(eos))
+            if tok_json.is_file()
+            else None
+        )
 
         per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.kv_bytes_per_token = per_block // config.block_size
@@ -173,7 +181,16 @@ class LLMEngine:
         )
         if self.tokenizer is not None:
             req.detok = TextState(self.tokenizer, req)
+        if params.grammar is not None:
+            req.matcher = self.grammars.matcher(params.grammar)
         return req
+
+    @property
+    def grammars(self) -> GrammarMatchers:
+        """Constrained decoding (it needs the model's tokenizer.json)."""
+        if self._grammars is None:
+            raise InvalidRequestError("constrained decoding needs the model's tokenizer.json")
+        return self._grammars
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -228,6 +245,8 @@ class LLMEngine:
         # a request's first guesses include a draft model's prefill of its prompt: a one-time
         # cost (like the target's prefill), not what a step with guesses costs
         first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
+        masks = self._grammars.start(batch.items) if self._grammars is not None else None
+        self.runner.sampler.masks = masks  # filled while the forward pass runs
         run = run_isolated(self.runner.step, batch.items)  # without the requests that raise
         outputs = expired + self._fail_step_errors(run)
         for req, n in run.items:
@@ -270,7 +289,11 @@ class LLMEngine:
         """The request's output for its sampled rows; an error output, for this request
         only, if taking them raises."""
         try:
-            return self.outputs.make_output(req, self._accept(req, result, row, rows))
+            appended = self._accept(req, result, row, rows)
+            complete = self._grammars is not None and self._grammars.advance(req, appended)
+            if complete and not req.is_finished and req.token_ids[-1] in self.eos_token_ids:
+                self.outputs.finish(req, "stop")  # ignore_eos, but the grammar is complete
+            return self.outputs.make_output(req, appended)
         except Exception as e:
             log.exception("request %s: accepting its tokens failed", req.request_id)
             self.outputs.finish(req, "error")
@@ -348,47 +371,11 @@ class LLMEngine:
     # -- step-latency model ---------------------------------------------------------------
 
     def calibrate(self) -> None:
-        """Time synthetic steps on this device, prompt chunks and decode batches up to the
-        largest lane batch, and fit the step-latency model to them. Uses free KV blocks only
-        and leaves nothing behind; call it before serving."""
-        rng = torch.Generator().manual_seed(0)
-        vocab = self.model_config.vocab_size
-        largest = max(la.max_batch for la in self.lanes.values() if la.enabled)
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(largest, self.config.max_batch)]
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        prompt_len = max(1, min(32, (self.max_model_len - 8) // 4))  # prompts of 1-4x this
-        try:
-            for i, b in enumerate([1, *sizes]):  # the first run warms up and is not kept
-                if self.kv.blocks_needed(prompt_len * 4 + 8) * b > self.kv.num_free_blocks:
-                    break
-                self._calibrating = i > 0
-                for j in range(b):
-                    n = prompt_len * (1 + j % 4)
-                    prompt = torch.randint(1, vocab, (n,), generator=rng).tolist()
-                    self.add(self.make_request(prompt, params, f"calibrate-{i}-{j}"))
-                while self.has_unfinished():
-                    self.step()
-        finally:
-            self._calibrating = False
-            for rid in list(self.requests):
-                self.abort(rid)
-        self.step_model.fit()
-        self._resolve_targets()
-        log.info("step-latency model: %s", self.step_model.describe())
+        """Fit the step-latency model to timed synthetic steps (engine/calibration.py)."""
+        calibrate(self)
 
     def _resolve_targets(self) -> None:
-        """Per-request tokens/s targets of lanes that have one; "auto" is a fraction of the
-        speed a single request gets alone on this device."""
-        targets = {}
-        for lane in self.lanes.values():
-            target = lane.target_tokens_per_s
-            if target == "auto":
-                target = AUTO_TARGET_FRACTION / max(self.step_model.predict(1, 1, 256), 1e-4)
-            if target is not None:
-                targets[lane.rank] = float(target)
-                log.info("lane %s: target %.0f tokens/s per request", lane.name, target)
-        self.scheduler.targets = targets
-        self._targets_resolved = True
+        resolve_targets(self)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (when a step raised outside the model step's

@@ -95,6 +95,7 @@ class Request:
             None if params.prompt_logprobs is None else [None]
         )
         self.detok = None  # set by the engine's output processor
+        self.matcher = None  # its grammar's llguidance matcher (engine/grammar.py)
 
     def keep_guesses(self, n: int) -> None:
         """Drop all but the first n guesses (pads, at the end, go first)."""

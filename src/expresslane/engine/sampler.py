@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expresslane.engine.grammar import StepMasks
 from expresslane.engine.penalties import apply_penalties
 from expresslane.engine.request import Request
 
@@ -62,6 +63,7 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.masks: StepMasks | None = None  # this step's grammar masks (engine/grammar.py)
 
     def generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
@@ -78,6 +80,7 @@ class Sampler:
         draft_ids[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
         logits = self._mask_early_stops(logits, reqs)
+        logits = self._mask_grammar(logits, reqs, offsets)
         logits = apply_penalties(logits, reqs, offsets)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
@@ -101,6 +104,18 @@ class Sampler:
         logits = logits.clone()
         for i, ids in rows:
             logits[i, ids] = float("-inf")
+        return logits
+
+    def _mask_grammar(
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None
+    ) -> torch.Tensor:
+        """Tokens the rows' grammars do not allow get -inf."""
+        found = None if self.masks is None else self.masks.allowed(reqs, offsets, logits.shape[1])
+        if found is None:
+            return logits
+        rows, allowed = found
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
         return logits
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

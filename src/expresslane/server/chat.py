@@ -25,6 +25,7 @@ from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
+from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
 router = APIRouter(route_class=StrictJSONRoute)
 NAMES = {"max_tokens": "max_completion_tokens", "prompt": "messages", "logprobs": "top_logprobs"}
@@ -52,22 +53,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         }
         for t in body.tools or []
     ]
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    forced = None
-    if not isinstance(choice, str):
-        forced = choice.function.name
-        if forced not in {t["name"] for t in tools}:
-            raise invalid(
-                f"tool_choice names the function {forced!r}, which is not in 'tools'.",
-                param="tool_choice.function.name",
-            )
-    elif choice == "required" and not tools:
-        raise invalid("tool_choice 'required' needs at least one tool.", param="tool_choice")
-    parser = state.tool_parser if tools and choice != "none" else None
-    prefix = parser.forced_prefix(forced) if parser and (forced or choice == "required") else ""
+    setup = _setup(state, body, tools)
+    parser = setup.parser
     template = template_tools(tools) if parser else None
     prompt = await off_loop(
-        lambda: render(state.tokenizer, messages, template, prefix, param="messages"), chars
+        lambda: render(state.tokenizer, messages, template, param="messages"), chars
     )
     skip = body.skip_special_tokens
     if skip is None and parser is not None and parser.needs_special_tokens:
@@ -83,6 +73,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             skip_special_tokens=skip,
             **openai_penalties(body),
+            grammar=setup.grammar,
         )
         for i in range(n)
     ]
@@ -104,7 +95,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         Choice(
             i,
             parser,
-            prefix,
+            setup.declared,
             state.tokenizer,
             bool(body.logprobs),
             body.parallel_tool_calls is not False,
@@ -156,6 +147,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         )
     result["usage"] = chat_usage(choices)
     return JSONResponse(result)
+
+
+def _setup(state: ServerState, body: ChatCompletionRequest, tools: list[dict]) -> ToolSetup:
+    choice, forced = body.tool_choice, None
+    if choice is not None and not isinstance(choice, str):
+        choice, forced = None, choice.function.name
+    fmt = body.response_format
+    spec = fmt.json_schema if fmt is not None else None
+    content = output_schema(
+        fmt.type if fmt else None, spec.schema_ if spec else None, "response_format.json_schema"
+    )
+    return tool_setup(
+        state,
+        tools,
+        choice,
+        forced,
+        parallel=body.parallel_tool_calls is not False,
+        content=content,
+        param="tool_choice.function.name",
+        content_param="response_format",
+    )
 
 
 async def _stream(gens, choices: list[Choice], base: dict, include_usage: bool):

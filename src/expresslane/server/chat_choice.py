@@ -16,15 +16,13 @@ class Choice:
         self,
         index: int,
         parser: ToolParser | None,
-        prefix: str,
+        declared: set[str],
         tokenizer,
         logprobs: bool,
         parallel: bool,
     ):
         self.index = index
-        self.streamer = parser.streamer() if parser is not None else None
-        if self.streamer is not None and prefix:
-            self.streamer.feed(prefix)
+        self.streamer = parser.streamer(declared) if parser is not None else None
         self.tokenizer = tokenizer
         self.want_logprobs = logprobs
         self.parallel = parallel

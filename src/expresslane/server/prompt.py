@@ -270,7 +270,6 @@ def render(
     tokenizer,
     messages: list[dict],
     tools: list[dict] | None,
-    prefix: str = "",
     param: str = "input",
 ) -> str:
     if tokenizer is None:
@@ -285,4 +284,4 @@ def render(
         )
     except ExpresslaneError as e:
         raise from_engine_error(e, {"messages": param}) from e
-    return text + prefix
+    return text

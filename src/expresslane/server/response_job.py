@@ -37,6 +37,7 @@ from expresslane.server.response_builder import ResponseAssembler, base_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
+from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 from expresslane.server.truncation import fit
 from expresslane.tool_parsers import ToolParser
 
@@ -231,30 +232,28 @@ class ResponseJob:
             await asyncio.wait({self.task})
 
 
-def _tool_setup(state: ServerState, req: ResponseCreateRequest):
+def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSetup, Any]:
+    """The request's tools resolved, and its tool_choice as the response echoes it."""
     tools = [t.model_dump() for t in req.tools or []]
-    choice = req.tool_choice if req.tool_choice is not None else "auto"
-    forced = None
-    if not isinstance(choice, str):
-        if choice.name not in {t["name"] for t in tools}:
-            raise invalid(
-                f"tool_choice names the function {choice.name!r}, which is not in 'tools'.",
-                param="tool_choice.name",
-                code="invalid_value",
-            )
-        forced, choice = choice.name, choice.model_dump()
-    elif choice == "required" and not tools:
-        raise invalid(
-            "tool_choice 'required' needs at least one tool in 'tools'.",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    use = bool(tools) and choice != "none"
-    parser = state.tool_parser if use else None
-    prefix = ""
-    if parser is not None and (forced or choice == "required"):
-        prefix = parser.forced_prefix(forced)
-    return tools, choice, parser, prefix
+    choice, forced = req.tool_choice, None
+    if choice is not None and not isinstance(choice, str):
+        choice, forced = None, choice.name
+    fmt = req.text.format if req.text is not None else None
+    content = output_schema(
+        fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format"
+    )
+    setup = tool_setup(
+        state,
+        tools,
+        choice,
+        forced,
+        parallel=req.parallel_tool_calls is not False,
+        content=content,
+        param="tool_choice.name",
+        content_param="text.format",
+    )
+    echo = req.tool_choice.model_dump() if forced else (req.tool_choice or "auto")
+    return setup, echo
 
 
 def resolve_previous(
@@ -298,7 +297,7 @@ class Prepared:
     tools: list[dict]
     choice: Any
     parser: ToolParser | None
-    prefix: str
+    declared: set[str]
 
 
 async def prepare_request(
@@ -324,7 +323,8 @@ async def prepare_request(
     )
     context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
     items, new_messages = responses_input(raw_input, context)
-    tools, choice, parser, prefix = _tool_setup(state, req)
+    setup, choice = _tool_setup(state, req)
+    tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     skip_special = req.skip_special_tokens
     if skip_special is None and parser is not None and parser.needs_special_tokens:
@@ -336,12 +336,13 @@ async def prepare_request(
         seed=req.seed,
         logprobs=(req.top_logprobs or 0) if _with_logprobs(req) else None,
         skip_special_tokens=skip_special,
+        grammar=setup.grammar,
     )
     rid = new_id("resp")
     template = template_tools(tools) if parser else None
 
     def attempt(messages: list[dict]) -> EngineRequest:
-        prompt = render(state.tokenizer, messages, template, prefix)
+        prompt = render(state.tokenizer, messages, template)
         return prepare(
             state,
             prompt,
@@ -360,7 +361,9 @@ async def prepare_request(
         return attempt(messages)
 
     engine_req = await off_loop(render_and_prepare, chars + text_size(context))
-    return Prepared(engine_req, items, context, new_messages, tools, choice, parser, prefix)
+    return Prepared(
+        engine_req, items, context, new_messages, tools, choice, parser, setup.declared
+    )
 
 
 async def prepare_response(
@@ -386,9 +389,7 @@ async def prepare_response(
         store=store,
     )
     event_log = EventLog(extra)
-    streamer = p.parser.streamer() if p.parser is not None else None
-    if streamer is not None and p.prefix:
-        streamer.feed(p.prefix)
+    streamer = p.parser.streamer(p.declared) if p.parser is not None else None
     assembler = ResponseAssembler(
         response, event_log.emit, state.tokenizer, streamer, _with_logprobs(req), req.max_tool_calls
     )

@@ -70,8 +70,18 @@ class ToolChoiceFunction(Strict):
     name: str
 
 
+_FORMAT_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class TextFormat(Strict):
-    type: Literal["text"]
+    """Responses `text.format`: text, any JSON object, or JSON of a schema (flat fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=_FORMAT_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextConfig(Strict):
@@ -156,8 +166,19 @@ class ChatToolChoiceFunction(Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=_FORMAT_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    """Chat `response_format`: text, any JSON object, or JSON of `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(EngineExtras):

@@ -40,6 +40,10 @@ class ServerState:
         eng = getattr(self.engine, "engine", None)
         return getattr(eng, "max_model_len", None)
 
+    def grammar_literal(self, text: str) -> str:
+        """`text` as a grammar literal for this model's tokenizer (engine/grammar.py)."""
+        return self.engine.engine.grammars.literal(text)
+
     @property
     def vocab_size(self) -> int | None:
         eng = getattr(self.engine, "engine", None)
