@@ -71,7 +71,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         tok_json = tok_dir / "tokenizer.json"
         self._grammars = (
-            GrammarMatchers(tok_json.read_text(), mcfg.vocab_size, sorted(eos))
+            # on a CPU the forward pass keeps every core busy: masks are filled inline there
+            GrammarMatchers(
+                tok_json.read_text(), mcfg.vocab_size, sorted(eos), self.device.type != "cpu"
+            )
             if tok_json.is_file()
             else None
         )
@@ -232,6 +235,8 @@ class LLMEngine:
             self._resolve_targets()
         if self.proposers:
             self._propose()
+        if self._grammars is not None:
+            self.guesses.add_forced(self.scheduler.running)
         expired = self._expire_waiting()
         batch = self.scheduler.schedule()
         if not batch.items:
@@ -358,7 +363,7 @@ class LLMEngine:
             proposed = len(drafts) - req.draft_padding  # pads are not guesses
             kept = min(appended - 1, proposed)
             req.draft_padding = 0
-            if proposed:
+            if proposed and not req.draft_forced:
                 self.spec_stats.record(proposed, kept)
                 self.lane_spec_stats[req.lane].record(proposed, kept)
                 acceptance = self.proposers[req.priority].acceptance

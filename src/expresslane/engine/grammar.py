@@ -29,6 +29,7 @@ import torch
 
 from expresslane.engine.request import Request
 from expresslane.errors import InvalidRequestError
+from expresslane.kernels import cpu_kernels
 from expresslane.sampling_params import Grammar
 
 log = logging.getLogger("expresslane.engine")
@@ -46,31 +47,52 @@ class StepMasks:
 
     rows: dict[int, int]
     bitmask: torch.Tensor  # int32 [rows, words], bit t of a row set: token t allowed
-    done: Future
+    done: Future | None  # None: filled already
 
-    def allowed(self, reqs: list[Request], offsets: list[int] | None, vocab: int):
-        """(logit rows, bool [len(rows), vocab] allowed tokens) for the constrained rows of a
-        sampler batch; None when it has none."""
+    def apply(
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None
+    ) -> torch.Tensor:
+        """`logits` (float32 [B, V], changed in place) with -inf for the tokens the grammars
+        of its rows do not allow."""
         pairs = [
             (i, self.rows[id(r)] + (offsets[i] if offsets else 0))
             for i, r in enumerate(reqs)
             if id(r) in self.rows
         ]
         if not pairs:
-            return None
-        self.done.result()
-        rows = [i for i, _ in pairs]
-        words = self.bitmask[[j for _, j in pairs]]
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = (words.unsqueeze(-1) >> shifts) & 1
-        return rows, bits.view(len(rows), -1)[:, :vocab].bool()
+            return logits
+        if self.done is not None:
+            self.done.result()
+        rows = torch.tensor([i for i, _ in pairs])
+        sources = torch.tensor([j for _, j in pairs])
+        if _native(logits):
+            cpu_kernels().apply_token_bitmask(logits, rows, self.bitmask, sources)
+            return logits
+        allowed = unpack(self.bitmask[sources], logits.shape[1]).to(logits.device)
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        return logits
+
+
+def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [R, vocab] from int32 [R, words] bitmask rows."""
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+
+
+def _native(logits: torch.Tensor) -> bool:
+    cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+    return cpu and logits.dim() == 2 and logits.stride(1) == 1 and cpu_kernels() is not None
 
 
 class GrammarMatchers:
     """Compiles grammars (cached), makes per-request matchers, fills step masks."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], overlap: bool
+    ):
         self.vocab_size = vocab_size
+        self.overlap = overlap  # fill masks on a worker thread while the forward pass runs
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
         )
@@ -137,8 +159,10 @@ class GrammarMatchers:
                 plain.append((req.matcher, total))
             total += len(req.draft_ids) + 1  # rows past an invalid guess stay unconstrained
         bitmask = torch.full((total, _words(self.vocab_size)), -1, dtype=torch.int32)
-        done = self._worker.submit(self._fill, plain, guessed, bitmask)
-        return StepMasks(rows, bitmask, done)
+        if not self.overlap:
+            self._fill(plain, guessed, bitmask)
+            return StepMasks(rows, bitmask, None)
+        return StepMasks(rows, bitmask, self._worker.submit(self._fill, plain, guessed, bitmask))
 
     def _fill(self, plain: list, guessed: list, bitmask: torch.Tensor) -> None:
         size, ptr = bitmask.shape[1] * 4, bitmask.data_ptr()

@@ -18,6 +18,8 @@ from expresslane.lanes import Lane
 from expresslane.spec import SpecConfig, best_length, expected_tokens, proposal_length
 from expresslane.spec.payoff import SpecPayoff
 
+MAX_FORCED = 16  # most grammar-forced tokens a request verifies in one step
+
 
 class GuessPlanner:
     def __init__(
@@ -78,6 +80,20 @@ class GuessPlanner:
                 req.draft_probs = proposal.probs
                 req.draft_kind = proposal.kind
         self.uniform(running, costs)
+
+    def add_forced(self, running: list[Request]) -> None:
+        """A constrained request with no guesses guesses the tokens its grammar forces next
+        (a JSON key, the markup closing a call): verified like any guess, they cost a row
+        each and come out in the same step, and the output is what it would be without."""
+        for req in running:
+            req.draft_forced = False
+            if req.matcher is None or req.draft_ids:
+                continue
+            room = min(self.room(req), MAX_FORCED)
+            if room > 0:
+                req.draft_ids = req.matcher.compute_ff_tokens()[:room]
+                req.draft_padding, req.draft_probs = 0, None
+                req.draft_forced = bool(req.draft_ids)
 
     def room(self, req: Request) -> int:
         """How many guesses `req` may verify in the next step (0: none: not decoding, short

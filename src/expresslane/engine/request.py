@@ -85,6 +85,7 @@ class Request:
         self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
         self.draft_kind = 0  # the proposal's kind (spec/proposal.py)
         self.draft_padding = 0  # filler tokens ending draft_ids (engine/guesses.py)
+        self.draft_forced = False  # draft_ids are what its grammar forces, not a proposal
         self.spec_tallies: dict[int, Tally] = {}  # its verified guesses per proposal kind
         self.spec_verifications = 0  # steps that verified its guesses
         self.metrics = RequestMetrics(arrival=time.perf_counter())

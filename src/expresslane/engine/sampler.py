@@ -80,7 +80,7 @@ class Sampler:
         draft_ids[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
         logits = self._mask_early_stops(logits, reqs)
-        logits = self._mask_grammar(logits, reqs, offsets)
+        logits = self._mask_grammar(logits, reqs, offsets, raw)
         logits = apply_penalties(logits, reqs, offsets)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
@@ -107,16 +107,15 @@ class Sampler:
         return logits
 
     def _mask_grammar(
-        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None, raw
     ) -> torch.Tensor:
-        """Tokens the rows' grammars do not allow get -inf."""
-        found = None if self.masks is None else self.masks.allowed(reqs, offsets, logits.shape[1])
-        if found is None:
+        """Tokens the rows' grammars do not allow get -inf (in place, unless the logprobs
+        need the raw logits)."""
+        if self.masks is None:
             return logits
-        rows, allowed = found
-        logits = logits.clone()
-        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits
+        if logits is raw and any(r.params.logprobs is not None for r in reqs):
+            logits = logits.clone()
+        return self.masks.apply(logits, reqs, offsets)
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from: temperature, then top-k / top-p."""

@@ -120,7 +120,13 @@ def cpu_kernels():
                 name=name,
                 sources=[
                     str(src / n)
-                    for n in ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp")
+                    for n in (
+                        "gemv_cpu.cpp",
+                        "bf16dot_cpu.cpp",
+                        "decode_cpu.cpp",
+                        "fp4_cpu.cpp",
+                        "mask_cpu.cpp",
+                    )
                 ],
                 extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],

@@ -32,6 +32,8 @@ def base_response(
 ) -> dict:
     reasoning = req.reasoning or {}
     verbosity = req.text.verbosity if req.text and req.text.verbosity else "medium"
+    fmt = req.text.format if req.text and req.text.format else None
+    text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
     return {
         "id": rid,
         "object": "response",
@@ -52,7 +54,7 @@ def base_response(
         "service_tier": tier,
         "store": store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}, "verbosity": verbosity},
+        "text": {"format": text_format, "verbosity": verbosity},
         "tool_choice": tool_choice,
         "tools": tools,
         "top_logprobs": req.top_logprobs or 0,
