@@ -18,6 +18,8 @@ Files, one concept each:
   (Responses WebSocket mode) implement them.
 - `schedule.py`: seeded Poisson arrival times (open loop).
 - `runner.py`: closed-loop (concurrency) and open-loop (rate) runs, sessions, warmup, progress.
+- `checks.py`: whether structured outputs parse and validate and forced tool calls came back,
+  per request and counted per run.
 - `metrics.py`: TTFT, TPOT, ITL, E2E, throughput, goodput from records, and their definitions.
 - `headline.py`: the headline numbers shown in tables.
 - `report.py`: `results.json` (schema in its docstring) and `report.md`; `plots.py`: the PNGs

@@ -10,6 +10,16 @@ and `function_call_output` items). A reply without tool calls ends the task; if 
 fenced code block (```python), the last one replaces the task's module. At most
 `--agent-max-turns` requests are sent (the last reply's tool calls still run). Then the task's
 check runs once more: `accepted` is its exit code being 0. Requests don't send `ignore_eos`.
+
+`tool_choice`: a turn needs a tool until the task is done, and the task is done when the tests
+have passed since the last `write_file` (tasks fail as shipped, so a pass means a fix). Until
+then nothing the model could answer ends the task well: it has not seen the code yet, or its
+fix is untested, or the tests fail. Such turns send `tool_choice: "required"`; the turn after
+the tests passed sends `"auto"`, leaving the model to answer. With `--tool-choice named`, a
+forced turn names the tool when there is one next step: `read_file` until a file has been read,
+`run_tests` after a `write_file` the tests have not run since; otherwise `"required"`. With
+`--tool-choice auto` every turn sends `"auto"`. A call whose result is an error counts for
+none of this. Simulated tools (`--tool-time`) pass the tests once a `write_file` came first.
 """
 
 from __future__ import annotations
@@ -62,17 +72,49 @@ class AgentSession:
         tools: RealTools | SimulatedTools,
         max_turns: int,
         max_tokens: int,
+        policy: str = "required",
     ):
         self.id: str | None = sid
         self.task = task
         self.tools = tools
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+        self.policy = policy  # how forced turns are sent: required, named, or auto (never)
         self.turns = 0
         self.record = TaskRecord(task=task.id)
+        self.has_read = False  # a read_file returned a file
+        self.untested_write = False  # a write_file since the last run_tests
+        self.passed = False  # the last run_tests passed, and nothing was written since
+
+    def tool_choice(self) -> str | dict[str, str]:
+        """What the next turn sends (see the module docstring)."""
+        if self.policy == "auto" or self.passed:
+            return "auto"
+        if self.policy == "named":
+            if not self.has_read:
+                return {"name": "read_file"}
+            if self.untested_write:
+                return {"name": "run_tests"}
+        return "required"
+
+    def _note(self, name: str, output: str) -> None:
+        """Track the task's progress from a tool call that ran."""
+        if output.startswith("error:"):
+            return
+        if name == "read_file":
+            self.has_read = True
+        elif name == "write_file":
+            self.untested_write, self.passed = True, False
+        elif name == "run_tests":
+            self.untested_write, self.passed = False, self.tools.tests_passed
 
     def _turn(self, messages: list[dict[str, Any]]) -> Turn:
-        return Turn(messages=messages, max_tokens=self.max_tokens, tools=TOOLS)
+        return Turn(
+            messages=messages,
+            max_tokens=self.max_tokens,
+            tools=TOOLS,
+            tool_choice=self.tool_choice(),
+        )
 
     async def next_turn(self, reply: Reply | None) -> Turn | None:
         if reply is None:
@@ -96,6 +138,7 @@ class AgentSession:
             results = []
             for call in reply.tool_calls:
                 output = await self.tools.run(call)
+                self._note(call.name, output)
                 results.append({"role": "tool", "tool_call_id": call.id, "content": output})
             self.record.tool_calls += len(reply.tool_calls)
         finally:
@@ -127,6 +170,8 @@ class AgentWorkload:
         self.tool_time = ToolTime.parse(options.tool_time) if options.tool_time else None
         if options.agent_max_turns < 1:
             raise ValueError("--agent-max-turns must be at least 1")
+        if options.response_format:
+            raise ValueError("--response-format is for the synthetic workload")
 
     def session(self, i: int) -> AgentSession:
         task = self.tasks[i % len(self.tasks)]
@@ -138,7 +183,8 @@ class AgentWorkload:
             rng = random.Random(f"{self.options.seed}:{i}")  # per task: order-independent
             tools = SimulatedTools(task, self.tool_time, rng)
         max_tokens = self.options.max_tokens(DEFAULT_MAX_TOKENS)
-        return AgentSession(sid, task, tools, self.options.agent_max_turns, max_tokens)
+        policy = self.options.tool_choice or "required"
+        return AgentSession(sid, task, tools, self.options.agent_max_turns, max_tokens, policy)
 
     def sessions(self) -> Iterator[AgentSession]:
         return (self.session(i) for i in range(self.n))

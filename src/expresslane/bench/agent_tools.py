@@ -9,6 +9,10 @@
   `run_tests`: a note that nothing ran). Nothing is written, so nothing is verified
   (`accepted` is null): this mode models tool latency, not the agent's success.
 
+Both keep `tests_passed`, the outcome of the last `run_tests` (the agent's `tool_choice`
+depends on it): its exit code being 0; simulated, whether a `write_file` came before it (as if
+every fix worked).
+
 Errors in a call (unknown tool, bad arguments, a path outside the project) are returned to the
 model as the tool's result, as an agent harness would.
 """
@@ -94,6 +98,7 @@ class RealTools:
     def __init__(self, task: Task):
         self.task = task
         self._box: Sandbox | None = None
+        self.tests_passed = False
 
     @property
     def box(self) -> Sandbox:
@@ -112,6 +117,7 @@ class RealTools:
                 return f"wrote {len(content)} characters to {args['path']}"
             if call.name == "run_tests":
                 code, output = await self.box.check()
+                self.tests_passed = code == 0
                 return f"exit code {code}\n{output}"
             return f"error: unknown tool {call.name!r}"
         except (ValueError, KeyError, OSError) as e:
@@ -134,6 +140,8 @@ class SimulatedTools:
         self.task = task
         self.delay = delay
         self.rng = rng
+        self.tests_passed = False
+        self.wrote = False
 
     async def run(self, call: ToolCall) -> str:
         await asyncio.sleep(self.delay.sample(self.rng))
@@ -147,8 +155,10 @@ class SimulatedTools:
                 return f"error: no such file {path!r}"
             return tail((self.task.root / path).read_text())
         if call.name == "write_file":
+            self.wrote = True
             return f"wrote {len(str(args.get('content', '')))} characters to {args.get('path')}"
         if call.name == "run_tests":
+            self.tests_passed = self.wrote
             return "(simulated tool: the tests were not run)"
         return f"error: unknown tool {call.name!r}"
 

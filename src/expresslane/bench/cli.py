@@ -34,6 +34,8 @@ examples:
   expresslane bench --base-url URL --workload replay:trace.jsonl --transport websocket
   expresslane bench --base-url URL --workload agent --concurrency 1,6
   expresslane bench --base-url URL --workload agent:60 --tool-time lognormal:0.5,0.8
+  expresslane bench --base-url URL --response-format json_schema --concurrency 1,8
+  expresslane bench --base-url URL --tool-choice named --api responses
   expresslane bench compare bench-results/before bench-results/after
 """
 
@@ -54,6 +56,8 @@ RECORDED = (
     ("--prefix-tokens", "prefix_tokens"),
     ("--agent-max-turns", "agent_max_turns"),
     ("--tool-time", "tool_time"),
+    ("--response-format", "response_format"),
+    ("--tool-choice", "tool_choice"),
     ("--seed", "seed"),
     ("--slo", "slo"),
     ("--warmup", "warmup"),
@@ -95,41 +99,8 @@ def add_bench_command(sub: Any) -> None:
         "tasks per run, default each once; see report.md for its time split)",
     )
     b.add_argument("--tier", help="service_tier to request (default: none sent)")
-    load = b.add_mutually_exclusive_group()
-    load.add_argument(
-        "--concurrency", help="closed loop: comma-separated levels, one run each (default 1)"
-    )
-    load.add_argument(
-        "--rate",
-        help="open loop: Poisson arrivals, requests/s; comma-separated "
-        "levels, one run each ('inf': all at once)",
-    )
-    stop = b.add_mutually_exclusive_group()
-    stop.add_argument(
-        "--requests",
-        type=int,
-        help="requests per run (default: the workload's: 100 for synthetic, one pass for "
-        "replay; agent: no cap, a run ends when its tasks are done)",
-    )
-    stop.add_argument("--duration", type=float, help="seconds per run (in-flight ones finish)")
-    b.add_argument("--input-tokens", type=int, default=256, help="synthetic prompt words")
-    b.add_argument(
-        "--output-tokens", type=int, help="max output tokens per request (default 128; agent 1024)"
-    )
-    b.add_argument("--prefix-tokens", type=int, default=0, help="synthetic shared-prefix words")
-    b.add_argument("--agent-max-turns", type=int, default=6, help="agent: most requests per task")
-    b.add_argument(
-        "--tool-time",
-        default=None,
-        help="agent: simulate tools, each call sleeping a seeded delay (seconds) from const:S, "
-        "uniform:A,B, exp:MEAN or lognormal:MEDIAN,SIGMA and returning a canned result "
-        "(nothing runs, so tasks are not verified)",
-    )
-    b.add_argument(
-        "--no-ignore-eos",
-        action="store_true",
-        help="don't send ignore_eos with synthetic requests (for endpoints without it)",
-    )
+    _load_flags(b)
+    _workload_flags(b)
     b.add_argument(
         "--extra-body",
         default=None,
@@ -151,6 +122,67 @@ def add_bench_command(sub: Any) -> None:
     c.add_argument("b", help="results.json or its directory to compare with A")
     c.add_argument("--out", default=None, help="where compare.md/png go (default: next to B)")
     c.set_defaults(func=cmd_compare)
+
+
+def _load_flags(b: argparse.ArgumentParser) -> None:
+    load = b.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", help="closed loop: comma-separated levels, one run each (default 1)"
+    )
+    load.add_argument(
+        "--rate",
+        help="open loop: Poisson arrivals, requests/s; comma-separated "
+        "levels, one run each ('inf': all at once)",
+    )
+    stop = b.add_mutually_exclusive_group()
+    stop.add_argument(
+        "--requests",
+        type=int,
+        help="requests per run (default: the workload's: 100 for synthetic, one pass for "
+        "replay; agent: no cap, a run ends when its tasks are done)",
+    )
+    stop.add_argument("--duration", type=float, help="seconds per run (in-flight ones finish)")
+
+
+def _workload_flags(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--input-tokens", type=int, default=256, help="synthetic prompt words")
+    b.add_argument(
+        "--output-tokens",
+        type=int,
+        help="max output tokens per request (default 128; agent 1024; 256 with "
+        "--response-format or --tool-choice)",
+    )
+    b.add_argument("--prefix-tokens", type=int, default=0, help="synthetic shared-prefix words")
+    b.add_argument("--agent-max-turns", type=int, default=6, help="agent: most requests per task")
+    b.add_argument(
+        "--tool-time",
+        default=None,
+        help="agent: simulate tools, each call sleeping a seeded delay (seconds) from const:S, "
+        "uniform:A,B, exp:MEAN or lognormal:MEDIAN,SIGMA and returning a canned result "
+        "(nothing runs, so tasks are not verified)",
+    )
+    b.add_argument(
+        "--response-format",
+        choices=("json_object", "json_schema"),
+        default=None,
+        help="synthetic: ask for the findings of a review as a JSON object, or as JSON of a "
+        "fixed schema (Chat response_format, Responses text.format); report.md counts the "
+        "outputs that parse and validate (default --output-tokens 256)",
+    )
+    b.add_argument(
+        "--tool-choice",
+        choices=("auto", "required", "named"),
+        default=None,
+        help="synthetic: declare two tools and send this tool_choice (named: the tool the "
+        "prompt asks for); report.md counts the replies with a valid tool call (default "
+        "--output-tokens 256). agent: how turns that need a tool are sent (default required; "
+        "named: the one next tool where there is one; auto: never forced)",
+    )
+    b.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="don't send ignore_eos with synthetic requests (for endpoints without it)",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -257,11 +289,22 @@ def _workload(args: argparse.Namespace) -> Workload:
         ignore_eos=not args.no_ignore_eos,
         agent_max_turns=6 if args.agent_max_turns is None else args.agent_max_turns,
         tool_time=args.tool_time,
+        response_format=args.response_format,
+        tool_choice=args.tool_choice,
     )
     try:
-        return make_workload(args.workload, options)
+        workload = make_workload(args.workload, options)
     except (ValueError, OSError) as e:
         raise SystemExit(f"expresslane bench: {e}") from e
+    if workload.name == "synthetic" and (args.response_format or args.tool_choice):
+        from expresslane.bench.checks import have_jsonschema
+
+        if not have_jsonschema():  # fail before the run, not after it
+            raise SystemExit(
+                "expresslane bench: --response-format and --tool-choice check the outputs with "
+                "jsonschema: pip install jsonschema (or 'expresslane[bench]')"
+            )
+    return workload
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -297,6 +340,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _report(args, target, started_at, slo, results)
 
 
+AGENT_TOOL_CHOICE = "required"  # the agent's default: `agent.py`
+
+
+def _is_agent(args: argparse.Namespace) -> bool:
+    return args.workload.partition(":")[0] == "agent"
+
+
 def _report(args, target: Target, started_at: datetime, slo, results) -> int:
     from rich.console import Console
 
@@ -317,6 +367,8 @@ def _report(args, target: Target, started_at: datetime, slo, results) -> int:
         "requests": args.requests,
         "duration_s": args.duration,
         "slo": slo or None,
+        "response_format": args.response_format,
+        "tool_choice": args.tool_choice or (AGENT_TOOL_CHOICE if _is_agent(args) else None),
     }
     data = build_results(meta, results, slo)
     out = Path(args.out)

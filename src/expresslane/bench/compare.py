@@ -61,7 +61,8 @@ def _describe(meta: dict[str, Any]) -> str:
     return (
         f"{meta.get('base_url')} model {meta.get('model')}, {meta.get('api')}/"
         f"{meta.get('transport')}, tier {meta.get('tier') or '-'}, {meta.get('workload')}, "
-        f"{meta.get('started_at')}"
+        f"response_format {meta.get('response_format') or '-'}, tool_choice "
+        f"{meta.get('tool_choice') or '-'}, {meta.get('started_at')}"
     )
 
 

@@ -1,11 +1,14 @@
 """`StreamReader`: turns a streamed response's events into a `RequestRecord`'s fields.
 
 The same events arrive over SSE (HTTP) and the Responses WebSocket mode. An output chunk is any
-event that carries new output: Chat `delta.content` / reasoning / `tool_calls`, Responses
-`*.delta` text, reasoning and function-call arguments. The reply kept for the next turn of a
-session is the visible text and the tool calls: Chat `delta.tool_calls` fragments joined by
-their `index`, Responses `function_call` items from `response.output_item.done` (or, if a
-server sends none, from the final response's `output`).
+event that carries new output: Chat `delta.content` / reasoning / tool-call arguments, Responses
+`*.delta` text, reasoning and function-call arguments (on both APIs a delta that only names a
+call is not one). The reply kept for the next turn of a session is the visible text and the
+tool calls: Chat `delta.tool_calls` fragments joined by their `index`, Responses
+`function_call` items from `response.output_item.done` (or, if a server sends none, from the
+final response's `output`). The finish reason is Chat's; a
+Responses answer that completed is `tool_calls` (with calls) or `stop`, one cut short by
+`max_output_tokens` is `length`, another incomplete one its reason.
 """
 
 from __future__ import annotations
@@ -96,14 +99,18 @@ class StreamReader:
             return
         new_output = False
         for choice in event.get("choices") or []:
+            if choice.get("finish_reason"):
+                self.rec.finish_reason = choice["finish_reason"]
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.parts.append(delta["content"])
                 new_output = True
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            new_output = new_output or bool(reasoning or delta.get("tool_calls"))
-            if delta.get("tool_calls"):
-                self._chat_calls(delta["tool_calls"])
+            calls = delta.get("tool_calls") or []
+            arguments = any((c.get("function") or {}).get("arguments") for c in calls)
+            new_output = new_output or bool(reasoning) or arguments
+            if calls:
+                self._chat_calls(calls)
         if new_output:
             self._chunk(now)
         if event.get("service_tier"):
@@ -133,9 +140,18 @@ class StreamReader:
         elif kind in RESPONSES_DONE or kind in ("response.created", "response.in_progress"):
             self._response(event.get("response") or {})
             self.done = kind in RESPONSES_DONE
-            if self.done and not self.calls:
-                for item in (event.get("response") or {}).get("output") or []:
-                    self._responses_call(item)
+            if self.done:
+                self._responses_end(kind, event.get("response") or {})
+
+    def _responses_end(self, kind: str, response: dict[str, Any]) -> None:
+        if not self.calls:
+            for item in response.get("output") or []:
+                self._responses_call(item)
+        if kind == "response.completed":
+            self.rec.finish_reason = "tool_calls" if self.calls else "stop"
+        else:
+            reason = (response.get("incomplete_details") or {}).get("reason")
+            self.rec.finish_reason = "length" if reason == "max_output_tokens" else reason
 
     def _response(self, response: dict[str, Any]) -> None:
         if response.get("service_tier"):

@@ -60,7 +60,18 @@ AGENT_HEADLINES = (
 )
 
 
+# Shown as well when a run checked structured outputs or forced tool calls (`checks.py`).
+CHECK_HEADLINES = (
+    Headline("JSON valid %", ("checks", "structured", "valid_rate"), 100),
+    Headline("forced: tool call %", ("checks", "forced", "tool_call_rate"), 100),
+    Headline("forced: call valid %", ("checks", "forced", "valid_rate"), 100),
+)
+
+
 def headlines(*summaries: dict[str, Any]) -> tuple[Headline, ...]:
-    """HEADLINES, plus AGENT_HEADLINES when any of the summaries has agent tasks."""
-    agent = any(s.get("agent") for s in summaries)
-    return HEADLINES + AGENT_HEADLINES if agent else HEADLINES
+    """HEADLINES, plus AGENT_HEADLINES when any of the summaries has agent tasks and the
+    CHECK_HEADLINES that any of them has a value for."""
+    out = HEADLINES
+    if any(s.get("agent") for s in summaries):
+        out += AGENT_HEADLINES
+    return out + tuple(h for h in CHECK_HEADLINES if any(h.value(s) is not None for s in summaries))

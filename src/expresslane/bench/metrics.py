@@ -25,6 +25,8 @@ the client spent late, waiting to connect or retrying counts (no coordinated omi
 - **ITL** = every gap between consecutive streamed output chunks, pooled over all requests. With
   speculative decoding one chunk can carry several tokens, so ITL can exceed TPOT.
 - **Per-request tokens/s** = (output tokens − 1) / (E2E − TTFT): the speed one user sees.
+  TPOT and tokens/s need more than one output chunk: an answer that arrives whole (a tool call
+  a server holds back until it is complete) has neither, and its TTFT holds its decode time.
 - **Request throughput** = completed requests / run wall time; **output throughput** = output
   tokens of completed requests / run wall time. Wall time runs from the start of the run to the
   end of its last request.
@@ -70,9 +72,14 @@ def queue(r: RequestRecord) -> float | None:
     return None if r.sent is None else r.sent - r.scheduled
 
 
+def streamed(r: RequestRecord) -> bool:
+    """More than one output chunk arrived, so there is a decode time to divide."""
+    return len(r.chunk_times) > 1
+
+
 def tpot(r: RequestRecord) -> float | None:
     n = output_tokens(r)
-    if n <= 1 or r.first_token is None or r.end is None:
+    if n <= 1 or r.first_token is None or r.end is None or not streamed(r):
         return None
     return (r.end - r.first_token) / (n - 1)
 
@@ -81,7 +88,7 @@ def tokens_per_s(r: RequestRecord) -> float | None:
     n = output_tokens(r)
     if n <= 1 or r.first_token is None or r.end is None or r.end <= r.first_token:
         return None
-    return (n - 1) / (r.end - r.first_token)
+    return (n - 1) / (r.end - r.first_token) if streamed(r) else None
 
 
 def itls(r: RequestRecord) -> list[float]:

@@ -29,6 +29,10 @@ class RequestRecord:
     retries: int = 0
     session: str | None = None
     turn: int | None = None
+    finish_reason: str | None = None  # stop, length or tool_calls (Responses: mapped to these)
+    response_format: str | None = None  # the output format asked for: json_object, json_schema
+    tool_choice: str | None = None  # auto, required or named (None: not sent)
+    output_check: str | None = None  # what `checks.py` found in the output (None: not checked)
 
     @property
     def ok(self) -> bool:
@@ -40,6 +44,7 @@ class RequestRecord:
         self.chunk_times = []
         self.status = None
         self.error = None
+        self.finish_reason = None
 
     def to_dict(self) -> dict:
         return asdict(self)

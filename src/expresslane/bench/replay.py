@@ -107,4 +107,9 @@ class ReplayWorkload:
 def _replay(arg: str | None, options: WorkloadOptions) -> ReplayWorkload:
     if not arg:
         raise ValueError("give the file: --workload replay:FILE")
+    if options.response_format or options.tool_choice:
+        raise ValueError(
+            "--response-format and --tool-choice don't apply to replay (its lines "
+            "may set response_format or tool_choice in 'extra')"
+        )
     return ReplayWorkload(arg, options)

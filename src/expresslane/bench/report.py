@@ -5,7 +5,9 @@
     {"schema_version": 1,
      "meta": {"base_url", "model", "api": "chat"|"responses", "transport": "http"|"websocket",
               "workload", "tier", "seed", "started_at" (ISO 8601 UTC), "expresslane_version",
-              "command", "requests", "duration_s", "slo"},
+              "command", "requests", "duration_s", "slo",
+              "response_format": null|"json_object"|"json_schema",
+              "tool_choice": null|"auto"|"required"|"named" (agent: how forced turns are sent)},
      "runs": [{"label": "c=8" | "rate=2",
                "concurrency": 8 | "rate": 2.0,
                "started_at": ISO 8601,
@@ -22,15 +24,21 @@
                                "task_s", "queue_prompt_s", "generation_s", "tool_s",
                                "verification_s", "client_overhead_s", "turns", "tool_calls",
                                "input_tokens", "cached_tokens", "output_tokens":
-                                   {"mean", "p50", "total"}}},
+                                   {"mean", "p50", "total"}},
+                           "checks" (requests with an output format or tool_choice only):
+                               {"schemas_checked", "formats": {FORMAT: COUNTS},
+                                "tool_choice": {CHOICE: COUNTS}, "structured": COUNTS,
+                                "forced": COUNTS + {"tool_call_rate"}}
+                               where COUNTS = {"requests", "parsed" (formats) | "tool_calls"
+                               (tools), "valid", "length", "valid_rate"}},
                "records": [RequestRecord.to_dict(), ...],
                "tasks" (agent workload only): [TaskRecord.to_dict() + {"task_s",
                    "queue_prompt_s", "generation_s", "tool_s", "verification_s",
                    "client_overhead_s", "turns", "input_tokens", "cached_tokens",
                    "output_tokens"}, ...]}]}
 
-Metric definitions: `metrics.DEFINITIONS` and `agent_metrics.AGENT_DEFINITIONS` (also at the end
-of report.md).
+Metric definitions: `metrics.DEFINITIONS`, `agent_metrics.AGENT_DEFINITIONS` and
+`checks.CHECK_DEFINITIONS` (also at the end of report.md).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from expresslane.bench.agent_metrics import (
     summarize_agent,
     task_entries,
 )
+from expresslane.bench.checks import CHECK_DEFINITIONS, check_lines, summarize_checks
 from expresslane.bench.headline import HEADLINES, fmt
 from expresslane.bench.metrics import DEFINITIONS, summarize
 from expresslane.bench.runner import RunResult
@@ -71,6 +80,9 @@ def run_entry(result: RunResult, slo: dict[str, float] | None) -> dict[str, Any]
         entry["rate"] = level.rate
     entry["started_at"] = result.started_at
     entry["summary"] = summarize(result.records, result.duration_s, slo)
+    checks = summarize_checks(result.records)
+    if checks:
+        entry["summary"]["checks"] = checks
     entry["records"] = [r.to_dict() for r in result.records]
     if result.tasks:
         entry["tasks"] = task_entries(result.tasks, result.records)
@@ -113,6 +125,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"`{meta.get('api')}` over {meta.get('transport')}, tier `{meta.get('tier') or '-'}`",
         f"- workload: `{meta.get('workload')}`, seed {meta.get('seed')}, started "
         f"{meta.get('started_at')}, expresslane {meta.get('expresslane_version')}",
+        f"- requests: response_format `{meta.get('response_format') or '-'}`, tool_choice "
+        f"`{meta.get('tool_choice') or '-'}`",
         f"- command: `{meta.get('command')}`",
         "",
         "## Summary",
@@ -122,55 +136,61 @@ def markdown(data: dict[str, Any]) -> str:
     rows = [[run["label"]] + [h.format(run["summary"]) for h in HEADLINES] for run in data["runs"]]
     lines += _table(header, rows)
     for run in data["runs"]:
-        s = run["summary"]
-        lines += [
-            "",
-            f"## {run['label']}",
-            "",
-            f"{s['completed']} of {s['requests']} requests completed in {s['duration_s']:.2f} s "
-            f"({s['errors']} errors, {s['retries']} retries); {s['input_tokens']} input tokens "
-            f"({s['cached_tokens']} cached), {s['output_tokens']} output tokens.",
-            "",
-        ]
-        stat_rows = []
-        for title, key, scale, unit in STAT_ROWS:
-            st = s[key]
-            cells = [
-                st[k] * scale if st[k] is not None else None for k in ("mean", "p50", "p90", "p99")
-            ]
-            stat_rows.append(
-                [f"{title} ({unit})"] + [fmt(c, 2) for c in cells] + [str(st["count"])]
-            )
-        lines += _table(["metric", "mean", "p50", "p90", "p99", "samples"], stat_rows)
-        if s.get("slo"):
-            slo = ", ".join(f"{k} ≤ {v:g} s" for k, v in s["slo"].items())
-            att = s["slo_attainment"]
-            lines += [
-                "",
-                f"Goodput ({slo}): {fmt(s['goodput'], 2)} req/s, "
-                f"SLO attainment {fmt(None if att is None else 100 * att, 1)}%.",
-            ]
-        if s["tiers"]:
-            tier_rows = [
-                [
-                    tier,
-                    str(t["requests"]),
-                    fmt(_ms(t["ttft"]["p50"])),
-                    fmt(t["per_request_tokens_per_s"]["p50"]),
-                ]
-                for tier, t in s["tiers"].items()
-            ]
-            lines += [""] + _table(
-                ["served tier", "requests", "TTFT p50 ms", "tok/s p50"], tier_rows
-            )
-        if s["error_messages"]:
-            lines += ["", "Errors:"] + [f"- {n}× {msg}" for msg, n in s["error_messages"].items()]
-        if s.get("agent"):
-            lines += agent_section(s["agent"])
+        lines += run_section(run)
     lines += ["", "## Metric definitions", "", DEFINITIONS]
     if any(run["summary"].get("agent") for run in data["runs"]):
         lines += [AGENT_DEFINITIONS]
+    if any(run["summary"].get("checks") for run in data["runs"]):
+        lines += [CHECK_DEFINITIONS]
     return "\n".join(lines)
+
+
+def run_section(run: dict[str, Any]) -> list[str]:
+    """One run's part of report.md: its latency table, SLOs, tiers, checks and errors."""
+    s = run["summary"]
+    lines = [
+        "",
+        f"## {run['label']}",
+        "",
+        f"{s['completed']} of {s['requests']} requests completed in {s['duration_s']:.2f} s "
+        f"({s['errors']} errors, {s['retries']} retries); {s['input_tokens']} input tokens "
+        f"({s['cached_tokens']} cached), {s['output_tokens']} output tokens.",
+        "",
+    ]
+    stat_rows = []
+    for title, key, scale, unit in STAT_ROWS:
+        st = s[key]
+        cells = [
+            st[k] * scale if st[k] is not None else None for k in ("mean", "p50", "p90", "p99")
+        ]
+        stat_rows.append([f"{title} ({unit})"] + [fmt(c, 2) for c in cells] + [str(st["count"])])
+    lines += _table(["metric", "mean", "p50", "p90", "p99", "samples"], stat_rows)
+    if s.get("slo"):
+        slo = ", ".join(f"{k} ≤ {v:g} s" for k, v in s["slo"].items())
+        att = s["slo_attainment"]
+        lines += [
+            "",
+            f"Goodput ({slo}): {fmt(s['goodput'], 2)} req/s, "
+            f"SLO attainment {fmt(None if att is None else 100 * att, 1)}%.",
+        ]
+    if s["tiers"]:
+        tier_rows = [
+            [
+                tier,
+                str(t["requests"]),
+                fmt(_ms(t["ttft"]["p50"])),
+                fmt(t["per_request_tokens_per_s"]["p50"]),
+            ]
+            for tier, t in s["tiers"].items()
+        ]
+        lines += [""] + _table(["served tier", "requests", "TTFT p50 ms", "tok/s p50"], tier_rows)
+    if s.get("checks"):
+        lines += [""] + check_lines(s["checks"])
+    if s["error_messages"]:
+        lines += ["", "Errors:"] + [f"- {n}× {msg}" for msg, n in s["error_messages"].items()]
+    if s.get("agent"):
+        lines += agent_section(s["agent"])
+    return lines
 
 
 def agent_section(a: dict[str, Any]) -> list[str]:

@@ -13,7 +13,8 @@ before that); a failed turn ends its session (its remaining turns are not sent, 
 fewer requests). A run stops starting requests after `requests` requests or `duration`
 seconds, then waits for those in flight. A session of known length reserves all its turns
 when it starts; one of unknown length (agent) reserves each turn as it starts. Sessions that
-report a `TaskRecord` at their end (agent tasks) have it kept in `RunResult.tasks`.
+report a `TaskRecord` at their end (agent tasks) have it kept in `RunResult.tasks`. A completed
+request's output is checked against its turn's output format or tool_choice (`checks.py`).
 Warmup requests (first turns only) run once, before the first level, sequentially, and are not
 recorded. All levels share one transport (and its connections).
 """
@@ -31,6 +32,7 @@ from datetime import datetime, timezone
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from expresslane.bench.checks import check_output
 from expresslane.bench.records import RequestRecord, TaskRecord
 from expresslane.bench.schedule import poisson_arrivals
 from expresslane.bench.target import Target
@@ -119,9 +121,13 @@ async def play_session(
                 scheduled=scheduled,
                 session=session.id,
                 turn=i if session.id is not None else None,
+                response_format=turn.format_kind,
+                tool_choice=turn.choice_kind,
             )
             history.extend(turn.messages)
             reply = await send(list(history), turn, rec, clock)
+            if rec.ok:
+                rec.output_check = check_output(turn, reply)
             on_done(rec)
             if not rec.ok:
                 reason = "error"

@@ -7,6 +7,11 @@ so endpoints that don't know the field still work.
 Conversations are kept Chat-shaped; for the Responses API, an assistant message with
 `tool_calls` becomes its text plus `function_call` items and a `role: tool` message becomes a
 `function_call_output` item (other items pass through unchanged).
+
+A turn's output format goes to Chat `response_format` (a `json_schema` nested under
+`json_schema`) or Responses `text.format` (flat); a named `tool_choice` is
+`{"type": "function", "function": {"name"}}` on Chat and `{"type": "function", "name"}` on
+Responses.
 """
 
 from __future__ import annotations
@@ -57,16 +62,33 @@ class Target:
             body["stream_options"] = {"include_usage": True}
             if turn.tools:
                 body["tools"] = [{"type": "function", "function": t} for t in turn.tools]
+            if turn.response_format:
+                body["response_format"] = chat_format(turn.response_format)
+            if isinstance(turn.tool_choice, dict):
+                body["tool_choice"] = {"type": "function", "function": turn.tool_choice}
         else:
             body["input"] = responses_input(messages)
             body["max_output_tokens"] = turn.max_tokens
             if turn.tools:
                 body["tools"] = [{"type": "function", **t} for t in turn.tools]
+            if turn.response_format:
+                body["text"] = {"format": turn.response_format}
+            if isinstance(turn.tool_choice, dict):
+                body["tool_choice"] = {"type": "function", **turn.tool_choice}
+        if isinstance(turn.tool_choice, str):
+            body["tool_choice"] = turn.tool_choice
         if self.tier:
             body["service_tier"] = self.tier
         body.update(self.extra_body)
         body.update(turn.extra)
         return body
+
+
+def chat_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """A Responses-shaped output format as Chat's `response_format`."""
+    if fmt["type"] != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 def responses_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

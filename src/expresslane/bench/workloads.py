@@ -26,6 +26,20 @@ class Turn:
     delay_s: float = 0.0  # wait after the previous turn of the session ends (e.g. tool time)
     extra: dict[str, Any] = field(default_factory=dict)  # extra body fields (ignore_eos, ...)
     tools: list[dict[str, Any]] | None = None  # function specs: {"name", "description", ...}
+    # {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"} (the
+    # Responses `text.format` shape; `target.py` nests it for Chat)
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, str] | None = None  # "auto", "required" or {"name": TOOL}
+
+    @property
+    def format_kind(self) -> str | None:
+        """The output format asked for: "json_object", "json_schema" or None."""
+        return self.response_format["type"] if self.response_format else None
+
+    @property
+    def choice_kind(self) -> str | None:
+        """The tool_choice sent: "auto", "required", "named" or None (not sent)."""
+        return "named" if isinstance(self.tool_choice, dict) else self.tool_choice
 
 
 @dataclass
@@ -107,6 +121,8 @@ class WorkloadOptions:
     ignore_eos: bool = True
     agent_max_turns: int = 6
     tool_time: str | None = None  # agent: simulate tools with this delay distribution
+    response_format: str | None = None  # synthetic: "json_object" or "json_schema"
+    tool_choice: str | None = None  # "auto", "required" or "named" (synthetic, agent)
 
     def max_tokens(self, default: int) -> int:
         return self.output_tokens if self.output_tokens is not None else default
