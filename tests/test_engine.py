@@ -216,9 +216,23 @@ def test_a_request_that_waited_too_long_to_start_fails_with_queue_timeout(llama_
     engine = llm.engine
     old = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     fresh = engine.add_request([5, 6, 8], SamplingParams(max_tokens=4, **GREEDY))
-    old.metrics.arrival -= 31.0  # as if it had waited in an overloaded queue
+    old.metrics.queued -= 31.0  # as if it had waited in an overloaded queue
     outputs = {o.request_id: o for _ in range(20) for o in engine.step() if o.finished}
     assert outputs[old.request_id].finish_reason == "error"
     assert outputs[old.request_id].error.startswith("queue_timeout")
     assert outputs[fresh.request_id].finish_reason == "length"
     assert engine.kv.num_used_blocks == 0 and not engine.requests
+
+
+def test_a_preempted_request_that_waits_too_long_to_resume_fails_with_queue_timeout(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", max_queue_seconds=30.0)
+    engine = llm.engine
+    req = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    engine.step()
+    engine.scheduler._preempt(req)  # back in the queue, with output so far
+    assert req.metrics.first_scheduled is not None and req.status.value == "waiting"
+    req.metrics.queued -= 31.0
+    outputs = [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == [req.request_id]
+    assert outputs[0].finish_reason == "error" and "queue_timeout" in outputs[0].error
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # nothing leaked

@@ -168,3 +168,19 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     assert 0 < target < 1 / engine.step_model.predict(1, 1, 256)  # "auto": below solo speed
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_most_tokens_is_the_largest_count_that_fits():
+    """The scheduler's closed-form fit against a search over every count, on random lines
+    (both regimes, a jump between them either way)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        model = StepLatencyModel(small_tokens=8)
+        for f in model.fits.values():
+            f.coef = rng.uniform(0, 1e-3, 4)
+        seqs, tokens, ctx = (int(v) for v in rng.integers(1, 64, 3))
+        n, limit = int(rng.integers(0, 40)), float(rng.uniform(0, 0.2))
+        fits = [
+            k for k in range(n + 1) if model.predict(seqs, tokens + k, ctx + k) <= limit + 1e-12
+        ]
+        assert model.most_tokens(seqs, tokens, ctx, n, limit) == max(fits, default=0)

@@ -179,8 +179,12 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            steps = eng.num_steps
             try:
                 outputs = eng.step()
+                if eng.num_steps == steps and not outputs:
+                    self._wake.wait(0.002)  # nothing could run: do not spin on the GIL
+                    self._wake.clear()
             except Exception as e:  # outside the model step's isolation: a bug in the engine
                 log.exception("engine step failed")  # must not hang every client
                 outputs = eng.fail_all(f"internal engine error: {type(e).__name__}: {e}")

@@ -317,17 +317,15 @@ class LLMEngine:
         return outputs
 
     def _expire_waiting(self) -> list[RequestOutput]:
-        """Fail the requests that waited longer than `max_queue_seconds` without starting: an
-        overloaded server answers them (429 queue_timeout) instead of letting them wait on."""
+        """Fail the requests that waited longer than `max_queue_seconds` in the queue, to
+        start or, preempted, to resume: an overloaded server answers them (429 queue_timeout)
+        instead of letting them wait on."""
         limit = self.config.max_queue_seconds
         if limit is None or not self.scheduler.waiting:
             return []
         oldest = time.perf_counter() - limit
-        stale = [
-            r for r in self.scheduler.waiting
-            if r.metrics.first_scheduled is None and r.metrics.arrival < oldest
-        ]
-        message = f"{QUEUE_TIMEOUT}: the request waited {limit:g} s without starting"
+        stale = [r for r in self.scheduler.waiting if r.metrics.queued < oldest]
+        message = f"{QUEUE_TIMEOUT}: the request waited {limit:g} s in the queue"
         return [self._fail(req, message) for req in stale]
 
     def _fail(self, req: Request, message: str) -> RequestOutput:

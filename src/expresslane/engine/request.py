@@ -26,6 +26,7 @@ class RequestMetrics:
     """Engine-side timings in seconds (time.perf_counter clock) and derived speeds."""
 
     arrival: float
+    queued: float = 0.0  # when it last joined the waiting queue (arrival, or a preemption)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from expresslane.engine.kv_cache import KVCacheManager
@@ -75,6 +76,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
+        req.metrics.queued = time.perf_counter()
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
     def has_unfinished(self) -> bool:
@@ -89,15 +91,27 @@ class Scheduler:
         self.kv.release(req)
 
     def step_time_limit(self) -> float | None:
-        """Seconds a step may take so every active request with a target keeps it."""
+        """Seconds a step may take so every active request with a target keeps it: those
+        running, and those waiting that could start now (one that waits for a sequence slot
+        starts only as the others finish, so capping them on its behalf would starve all)."""
         limit = None
-        for req in (*self.running, *self.waiting):
+        for req in (*self.running, *self._startable()):
             target = self.targets.get(req.priority)
             if target is not None:
                 tokens = self.tokens_per_step.get(req.priority, 1.0)
                 per_step = STEP_HEADROOM * tokens / target
                 limit = per_step if limit is None else min(limit, per_step)
         return limit if self.step_model.ready else None
+
+    def _startable(self) -> list[Request]:
+        if len(self.running) >= self.max_num_seqs:
+            return []
+        running = _count_by_rank(self.running)
+        return [
+            r for r in self.waiting
+            if r.priority in self.targets
+            and running.get(r.priority, 0) < self.rank_lane[r.priority].max_batch
+        ]
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
@@ -157,19 +171,8 @@ class Scheduler:
 
     def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
         """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""
-        seqs, tokens, ctx = len(batch.items) + 1, batch.num_tokens, batch.context_tokens
-        base = req.num_computed_tokens
-
-        def fits(k: int) -> bool:
-            return self.step_model.predict(seqs, tokens + k, ctx + base + k) <= limit
-
-        if fits(n):
-            return n
-        lo, hi = 0, n  # fits(lo) or lo == 0; not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        ctx = batch.context_tokens + req.num_computed_tokens
+        return self.step_model.most_tokens(len(batch.items) + 1, batch.num_tokens, ctx, n, limit)
 
     def _admit(self, batch: ScheduledBatch, rank: int, cap: float | None) -> bool:
         """Admit waiting requests of one lane; True if admission stopped for lack of

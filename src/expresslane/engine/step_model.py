@@ -101,6 +101,27 @@ class StepLatencyModel:
         coef = self._coef(self._regime(num_tokens))
         return float(np.dot(coef, features(num_seqs, num_tokens, context_tokens)))
 
+    def most_tokens(
+        self, num_seqs: int, num_tokens: int, context_tokens: int, n: int, limit: float
+    ) -> int:
+        """The most k <= n more tokens (each attending one more position) that keep
+        `predict(num_seqs, num_tokens + k, context_tokens + k)` within `limit`: solved on each
+        regime's line in plain floats (the scheduler asks this for every capped request)."""
+        if not self.ready:
+            return n
+        best, edge = 0, self.small_tokens - num_tokens  # k <= edge: the small line
+        for name, lo, hi in (("small", 0, min(n, edge)), ("large", max(0, edge + 1), n)):
+            if hi < lo:
+                continue
+            a, b, c, d = self._coef(name).tolist()
+            fixed = a + b * num_seqs + c * num_tokens + d * context_tokens / 1024.0
+            slope = c + d / 1024.0  # >= 0: the coefficients are
+            if fixed + slope * lo > limit:
+                continue
+            k = hi if slope <= 0 else min(hi, int((limit - fixed) / slope))
+            best = max(best, k)
+        return best
+
     def cost_line(self, num_seqs: int, context_tokens: int):
         """`predict` as a function of the step's tokens for a fixed batch and context (None
         before any fit); plain floats, cheap enough to call for every guess considered."""
