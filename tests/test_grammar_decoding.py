@@ -219,3 +219,23 @@ def test_bad_schemas_fail_alone_with_the_field_named(engines):
     while eng.has_unfinished():
         eng.step()
     assert ok.finish_reason == "length"
+
+
+def test_forced_guesses_kept_over_a_capped_step(engines):
+    """A constrained request of a lane without a proposer that keeps its forced guesses over
+    a step that capped it (the planner runs twice before its tokens are verified)."""
+    eng = engines["plain"]
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, grammar=json_schema(schema, "response_format")
+    )
+    req = eng.add_request("x", params, lane="flex")
+    while not req.num_output_tokens:
+        eng.step()  # now {"path": " is forced
+    engines["none"].guesses.add_forced(eng.scheduler.running)
+    assert req.draft_ids and req.draft_forced
+    engines["none"].guesses.add_forced(eng.scheduler.running)  # the capped step's turn
+    assert req.draft_forced
+    while eng.has_unfinished():
+        eng.step()
+    assert req.finish_reason in ("stop", "length")

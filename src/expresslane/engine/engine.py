@@ -361,11 +361,12 @@ class LLMEngine:
             proposed = len(drafts) - req.draft_padding  # pads are not guesses
             kept = min(appended - 1, proposed)
             req.draft_padding = 0
-            if proposed and not req.draft_forced:
+            spec = None if req.draft_forced else self.proposers.get(req.priority)
+            req.draft_forced = False
+            if proposed and spec is not None:
                 self.spec_stats.record(proposed, kept)
                 self.lane_spec_stats[req.lane].record(proposed, kept)
-                acceptance = self.proposers[req.priority].acceptance
-                acceptance.record(req.spec_tallies, req.draft_kind, kept, proposed)
+                spec.acceptance.record(req.spec_tallies, req.draft_kind, kept, proposed)
         if req.priority in self.proposers:
             rates = self.scheduler.tokens_per_step
             rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended

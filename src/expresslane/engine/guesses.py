@@ -76,7 +76,7 @@ class GuessPlanner:
                 guesses = proposal.token_ids[:k]
                 if free and guesses:
                     guesses = guesses[: size(spec, req, proposal.kind, len(guesses))]
-                req.draft_ids, req.draft_padding = guesses, 0
+                req.draft_ids, req.draft_padding, req.draft_forced = guesses, 0, False
                 req.draft_probs = proposal.probs
                 req.draft_kind = proposal.kind
         self.uniform(running, costs)
@@ -86,9 +86,8 @@ class GuessPlanner:
         (a JSON key, the markup closing a call): verified like any guess, they cost a row
         each and come out in the same step, and the output is what it would be without."""
         for req in running:
-            req.draft_forced = False
             if req.matcher is None or req.draft_ids:
-                continue
+                continue  # guesses kept from a step that capped it stay what they were
             room = min(self.room(req), MAX_FORCED)
             if room > 0:
                 req.draft_ids = req.matcher.compute_ff_tokens()[:room]
