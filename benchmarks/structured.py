@@ -2,7 +2,7 @@
 model, at batch 1, 8 and 32, in the same run (rounds alternate, the ratio of medians is
 reported), and the compile time of a 20-tool call grammar, cold and cached.
 
-    python benchmarks/structured.py [--rounds 5] [--tokens 64]
+    python benchmarks/structured.py [--rounds 5] [--tokens 64] [--no-forced] [--overlap on]
 """
 
 from __future__ import annotations
@@ -92,13 +92,20 @@ def main() -> None:
         "--overlap", choices=["auto", "on", "off"], default="auto",
         help="fill masks on a worker thread during the forward pass (auto: the engine's choice)",
     )
+    ap.add_argument(
+        "--no-forced", action="store_true",
+        help="constrained requests do not guess the tokens their grammar forces (masks only)",
+    )
     args = ap.parse_args()
     eng = LLMEngine(
         EngineConfig(model=str(demo_model_dir()), seed=0, num_kv_blocks=2048, calibrate=False)
     )
     if args.overlap != "auto":
         eng.grammars.overlap = args.overlap == "on"
-    print(f"masks filled {'during' if eng.grammars.overlap else 'after'} the forward pass")
+    if args.no_forced:
+        eng.guesses.add_forced = lambda running: None
+    print(f"masks filled {'during' if eng.grammars.overlap else 'after'} the forward pass", end="")
+    print("; forced tokens not guessed" if args.no_forced else "; forced tokens guessed")
     decode_rate(eng, 4, 8, True)  # warm-up: kernels, the grammar cache
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'json/free':>9}")
     for batch in args.batches:
