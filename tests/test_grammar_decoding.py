@@ -1,6 +1,6 @@
 """Grammar-constrained decoding on the demo model: every output obeys its grammar, at any batch
-mix of constrained and free requests, and greedy outputs are the same with and without each
-speculative proposer."""
+mix of constrained and free requests, with chunked prefill and preemption, and greedy outputs
+are the same with and without each speculative proposer."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def engines() -> dict[str, LLMEngine]:
         for name, spec in SPECULATION.items()
     }
     engines["plain"].guesses.add_forced = lambda running: None
+    # chunked prefill (16-token chunks) and preemption (blocks for a fraction of the batch)
+    engines["tight"] = LLMEngine(
+        EngineConfig(
+            model=str(demo_model_dir()), seed=0, num_kv_blocks=24, max_num_batched_tokens=16
+        )
+    )
     return engines
 
 
@@ -169,6 +175,25 @@ def test_outputs_follow_their_grammar_with_and_without_speculation(engines, batc
             _check(case, eng.tokenizer.decode(req.output_token_ids), req.finish_reason)
     for name in ("none", "ngram", "draft"):
         assert outputs[name] == outputs["plain"], name
+
+
+def test_grammars_hold_through_preemption_and_chunked_prefill(engines):
+    """Long constrained outputs in the tight engine: requests are preempted and their prompts
+    recomputed in 16-token chunks; every output stays a valid prefix of its grammar."""
+    eng = engines["tight"]
+    schema = {"type": "array", "minItems": 64, "items": {"type": "integer", "minimum": 0}}
+    grammar = json_schema(schema, "response_format")
+    params = SamplingParams(max_tokens=48, temperature=0.0, grammar=grammar)
+    prompt = render(eng.tokenizer, [{"role": "user", "content": "Numbers, please."}], None)
+    reqs = [
+        eng.add_request(prompt + str(i), params, add_special_tokens=False) for i in range(24)
+    ]
+    while eng.has_unfinished():
+        eng.step()
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+    for r in reqs:
+        assert r.finish_reason == "length"
+        assert eng.grammars.matcher(grammar).validate_tokens(r.output_token_ids) == 48
 
 
 def test_step_masks_match_a_plain_reference(engines):
