@@ -55,10 +55,6 @@ def json_schema(schema: dict, param: str) -> Grammar:
     return Grammar(f"%llguidance {{}}\nstart: {_json(schema)}\n", param)
 
 
-def json_object(param: str) -> Grammar:
-    return json_schema({"type": "object"}, param)
-
-
 def tool_calls(
     markup: CallMarkup,
     tools: list[dict],

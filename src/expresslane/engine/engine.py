@@ -251,7 +251,7 @@ class LLMEngine:
         # cost (like the target's prefill), not what a step with guesses costs
         first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
         masks = self._grammars.start(batch.items) if self._grammars is not None else None
-        self.runner.sampler.masks = masks  # filled while the forward pass runs
+        self.runner.sampler.masks = masks  # on a GPU, filled during the forward pass
         run = run_isolated(self.runner.step, batch.items)  # without the requests that raise
         outputs = expired + self._fail_step_errors(run)
         for req, n in run.items:

@@ -2,15 +2,17 @@
 
 A request whose `SamplingParams.grammar` is set gets a matcher at admission (a copy of one
 compiled per grammar text and cached, so a schema is compiled once). Before each model step
-`GrammarMatchers.start` fills the token masks of every constrained row of the batch on a worker
-thread, while the forward pass runs; the sampler waits for them and masks the logits. A row that
+`GrammarMatchers.start` fills the token masks of every constrained row of the batch (on a GPU on
+a worker thread while the forward pass runs; on a CPU, whose cores the forward pass keeps busy,
+inline); the sampler masks the logits with them (`StepMasks.apply`, a native kernel on a CPU).
+The tokens a grammar forces next are guessed (`GuessPlanner.add_forced`). A row that
 verifies a speculative guess gets the mask of the state after the guesses before it (llguidance
 walks the guesses and rolls back), so the constrained distribution is the same with and without
 speculation. After the step `advance` feeds the accepted tokens to the matcher. A complete
 grammar allows only the end token, so the request ends the same way with and without guesses.
 
 Why llguidance (and not xgrammar): on these CPUs both fill a mask of the demo vocabulary in about
-10 us (benchmarks/grammar_backends.py), llguidance compiles a schema 2-3x faster, needs no other
+10 us (benchmarks/grammar_backends.py), llguidance compiles a schema 2-5x faster, needs no other
 package (xgrammar pulls in transformers and triton), and has lazy lexemes and special-token
 terminals that tool-call grammars are written with.
 """
@@ -18,7 +20,6 @@ terminals that tool-call grammars are written with.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,6 @@ from expresslane.errors import InvalidRequestError
 from expresslane.kernels import cpu_kernels
 from expresslane.sampling_params import Grammar
 
-log = logging.getLogger("expresslane.engine")
 CACHED_GRAMMARS = 256
 
 

@@ -4,9 +4,6 @@ background mode and WebSocket mode.
 `prepare_request` validates, resolves `previous_response_id` (the re-rendered conversation
 starts with the same tokens as before, so the KV prefix cache serves them) and renders the
 prompt; `prepare_response` then submits it; any problem raises an `APIError` before a byte is
-`prepare_request` validates, resolves `previous_response_id` (the re-rendered conversation
-starts with the same tokens as before, so the KV prefix cache serves them) and renders the
-prompt; `prepare_response` then submits it; any problem raises an `APIError` before a byte is
 sent. `ResponseJob.run` drives the assembler and writes events to an `EventLog` that any
 number of readers follow (the SSE writer, a WebSocket, a resumed background stream).
 """
