@@ -439,6 +439,24 @@ with open(d / "expresslane.lock", "w") as f:
     assert proc.wait() == 0
 
 
+def test_a_kernel_build_reports_its_progress(caplog):
+    """A first start is never silent: an estimate, lines while it runs, one when done."""
+    import time
+
+    from expresslane.kernels import _progress
+
+    with caplog.at_level("INFO", logger="expresslane.kernels"):
+        with _progress("compiling the test kernels", True, every=0.05):
+            time.sleep(0.2)
+        with _progress("compiling nothing", False):
+            pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("compiling the test kernels: once per machine")
+    assert any(line.startswith("still compiling") for line in lines[1:-1])
+    assert lines[-1].startswith("CPU kernels compiled in")
+    assert not any("nothing" in line for line in lines)
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d"), [(6, 2, 64), (4, 2, 32), (4, 1, 128), (3, 3, 64)]

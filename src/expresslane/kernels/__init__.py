@@ -10,6 +10,8 @@ import functools
 import hashlib
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ except ImportError:  # Windows
 
 log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
+SOURCES = ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp", "mask_cpu.cpp")
 
 
 # torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef);
@@ -40,7 +43,11 @@ def exclusive_build(build_dir: Path):
         yield
         return
     with open(build_dir / "expresslane.lock", "w") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the CPU kernels: waiting for it")
+            fcntl.flock(holder, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"
             if stale.exists():
@@ -49,6 +56,28 @@ def exclusive_build(build_dir: Path):
             yield
         finally:
             fcntl.flock(holder, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _progress(what: str, active: bool, every: float = 20.0):
+    """Log `what` with an honest estimate, a line every `every` seconds while it runs, and
+    one when it is done: a first start is never silent."""
+    if not active:
+        yield
+        return
+    log.info("%s: once per machine and torch install, 2-4 min on 2 cores", what)
+    start, done = time.monotonic(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log.info("still compiling the CPU kernels (%.0f s)", time.monotonic() - start)
+
+    threading.Thread(target=beat, name="kernel-build-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        log.info("CPU kernels compiled in %.0f s", time.monotonic() - start)
 
 
 def cpu_flags() -> set[str]:
@@ -113,26 +142,17 @@ def cpu_kernels():
         build_dir = Path(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_build(build_dir):
-            if not (build_dir / f"{name}.so").exists():
-                log.info("compiling the %s CPU kernels (once, ~1 min) in %s", isa, build_dir)
+            building = not (build_dir / f"{name}.so").exists()
             src = _copy_sources(files, build_dir / "src")
-            return load(
-                name=name,
-                sources=[
-                    str(src / n)
-                    for n in (
-                        "gemv_cpu.cpp",
-                        "bf16dot_cpu.cpp",
-                        "decode_cpu.cpp",
-                        "fp4_cpu.cpp",
-                        "mask_cpu.cpp",
-                    )
-                ],
-                extra_cflags=cflags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with _progress(f"compiling the {isa} CPU kernels in {build_dir}", building):
+                return load(
+                    name=name,
+                    sources=[str(src / n) for n in SOURCES],
+                    extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
     except Exception as e:  # no compiler, no headers: fall back to PyTorch ops
         log.warning("CPU kernels unavailable (%s); using PyTorch matmuls", e)
         return None
