@@ -693,8 +693,10 @@ class Good:
 
 
 async def sse_text(http, path: str, body: dict, timeout: float) -> tuple[bool, str | None, str]:
-    """A streamed request read to its end: (ok, error, generated text)."""
-    parts, finished, done = [], False, False
+    """A streamed request read to its end: (ok, error, generated text). Chat streams end with
+    `[DONE]`; Responses streams end with their last event (no `[DONE]`, as OpenAI's)."""
+    parts, finished = [], False
+    done = path.endswith("/responses")
     async with http.stream("POST", path, json=body, timeout=timeout) as r:
         if r.status_code != 200:
             return False, f"{r.status_code} {(await r.aread())[:300]!r}", ""

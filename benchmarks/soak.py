@@ -186,7 +186,8 @@ async def responses_plain(ctx: Ctx, tier: str) -> Outcome:
 
 
 async def _sse(ctx: Ctx, path: str, body: dict, leave_after: int | None) -> Outcome:
-    """A streamed request read to `[DONE]`, or left after `leave_after` data lines."""
+    """A streamed request read to its end (Chat: `[DONE]`; Responses: its terminal event), or
+    left after `leave_after` data lines."""
     seen, finished = 0, False
     async with ctx.http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
@@ -201,10 +202,13 @@ async def _sse(ctx: Ctx, path: str, body: dict, leave_after: int | None) -> Outc
             data = json.loads(line[6:])
             if data.get("type") in ("response.failed", "error") or "error" in data:
                 return Outcome(False, 200, line[:300])
+            if data.get("type") in ("response.completed", "response.incomplete"):
+                finished = True
+                break
             seen += 1
             if leave_after is not None and seen >= leave_after:
                 return Outcome(True, 200)  # the client leaves mid-stream
-    return Outcome(finished, 200, None if finished else "the stream ended without [DONE]")
+    return Outcome(finished, 200, None if finished else "the stream ended before its end")
 
 
 async def responses_stream(ctx: Ctx, tier: str, leave: bool = False) -> Outcome:

@@ -264,3 +264,22 @@ def test_forced_guesses_kept_over_a_capped_step(engines):
     while eng.has_unfinished():
         eng.step()
     assert req.finish_reason in ("stop", "length")
+
+
+def test_the_offline_api_takes_a_grammar():
+    from expresslane import LLM
+
+    llm = LLM(str(demo_model_dir()), seed=0)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=64, temperature=0.0, grammar=json_schema(schema, "schema")
+    )
+    prompt = render(llm.engine.tokenizer, [{"role": "user", "content": "Data as JSON."}], None)
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)

@@ -227,3 +227,16 @@ def test_background_stream_resume(client, model_name, http):
     lines = [ln for ln in r.text.splitlines() if ln.startswith("data: {")]
     seqs = [json.loads(ln[6:])["sequence_number"] for ln in lines]
     assert seqs == list(range(3, len(events)))
+
+
+def test_sse_ends_with_its_last_event_not_done(http, model_name):
+    """OpenAI's Responses streams end with the terminal event: no `data: [DONE]` (Chat and
+    Completions streams keep it)."""
+    body = {"model": model_name, "input": "hi", "max_output_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        data = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in data[-1]
+    assert json.loads(data[-1][6:])["type"] in ("response.completed", "response.incomplete")
+    chat = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "max_tokens": 4}) as r:
+        assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -15,6 +14,7 @@ from expresslane.server.chat_choice import Choice, chat_usage, check_finished
 from expresslane.server.errors import APIError, invalid
 from expresslane.server.generation import (
     abort_all,
+    collect,
     make_params,
     merged,
     openai_penalties,
@@ -23,7 +23,7 @@ from expresslane.server.generation import (
 from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.sse import DONE, event, sse_response
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
@@ -36,14 +36,63 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     received = time.perf_counter()
     state: ServerState = get_state(request)
     model = state.check_model(body.model)
+    chars = _validate(state, body)
+    ticket = state.admit(request, body.service_tier)
+    setup, prompt, params, names = await _build(state, body, chars)
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    gens = await submit_all(
+        state,
+        [prompt] * len(params),
+        params,
+        ticket=ticket,
+        request_id=cid,
+        names=names,
+        received=received,
+        n=len(params),
+        chars=chars,
+        add_special_tokens=False,
+        cache_salt=body.cache_salt,
+    )
+    choices = [
+        Choice(
+            i,
+            setup.parser,
+            setup.declared,
+            state.tokenizer,
+            bool(body.logprobs),
+            body.parallel_tool_calls is not False,
+        )
+        for i in range(len(params))
+    ]
+    base = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "service_tier": ticket.tier,
+    }
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(
+            _stream(gens, choices, base, include_usage), on_close=lambda: abort_all(gens)
+        )
+    return await _plain(request, gens, choices, base)
+
+
+def _validate(state: ServerState, body: ChatCompletionRequest) -> int:
+    """Checks before any work; the prompt's characters."""
     check_unsupported(body)
     chars = state.check_size(
         items=len(body.messages), tools=len(body.tools or []), text=body.messages, param="messages"
     )
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    ticket = state.admit(request, body.service_tier)
-    tier = ticket.tier
+    return chars
+
+
+async def _build(state: ServerState, body: ChatCompletionRequest, chars: int):
+    """(tool setup, rendered prompt, one SamplingParams per choice, error field names)."""
     messages = chat_messages(body.messages)
     tools = [
         {
@@ -54,15 +103,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for t in body.tools or []
     ]
     setup = _setup(state, body, tools)
-    parser = setup.parser
-    template = template_tools(tools) if parser else None
+    template = template_tools(tools) if setup.parser else None
     prompt = await off_loop(
         lambda: render(state.tokenizer, messages, template, param="messages"), chars
     )
     skip = body.skip_special_tokens
-    if skip is None and parser is not None and parser.needs_special_tokens:
+    if skip is None and setup.parser is not None and setup.parser.needs_special_tokens:
         skip = False
-    n = body.n or 1
     names = NAMES if body.max_tokens is None else {**NAMES, "max_tokens": "max_tokens"}
     params = [
         make_params(
@@ -75,57 +122,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             **openai_penalties(body),
             grammar=setup.grammar,
         )
-        for i in range(n)
+        for i in range(body.n or 1)
     ]
-    cid = "chatcmpl-" + uuid.uuid4().hex
-    gens = await submit_all(
-        state,
-        [prompt] * n,
-        params,
-        ticket=ticket,
-        request_id=cid,
-        names=names,
-        received=received,
-        n=n,
-        chars=chars,
-        add_special_tokens=False,
-        cache_salt=body.cache_salt,
-    )
-    choices = [
-        Choice(
-            i,
-            parser,
-            setup.declared,
-            state.tokenizer,
-            bool(body.logprobs),
-            body.parallel_tool_calls is not False,
-        )
-        for i in range(n)
-    ]
-    base = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "service_tier": tier,
-    }
+    return setup, prompt, params, names
 
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(
-            _stream(gens, choices, base, include_usage), on_close=lambda: abort_all(gens)
-        )
 
-    async def collect():
-        async for i, out in merged(gens):
-            check_finished(out)
-            choices[i].add(out)
+async def _plain(request: Request, gens, choices: list[Choice], base: dict) -> Response:
+    """The whole completion as one JSON body (499 if the client left first)."""
 
-    task = asyncio.ensure_future(collect())
-    if not await until_disconnected(request, task):
+    def add(i: int, out) -> None:
+        check_finished(out)
+        choices[i].add(out)
+
+    if not await collect(request, gens, add):
         return Response(status_code=499)
-    task.result()
     result = {**base, "object": "chat.completion", "choices": [], "usage": None}
     for c in choices:
         c.finish()

@@ -4,7 +4,6 @@ the prompt tokens' too, the first one's null as in OpenAI's)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -15,6 +14,7 @@ from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid
 from expresslane.server.generation import (
     abort_all,
+    collect,
     make_params,
     merged,
     openai_penalties,
@@ -22,7 +22,7 @@ from expresslane.server.generation import (
 )
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.sse import DONE, event, sse_response
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -209,14 +209,8 @@ async def completions(body: CompletionRequest, request: Request):
             _stream(state, gens, choices, base, n, include_usage), on_close=lambda: abort_all(gens)
         )
 
-    async def collect():
-        async for i, out in merged(gens):
-            choices[i].add(tok, out)
-
-    task = asyncio.ensure_future(collect())
-    if not await until_disconnected(request, task):
+    if not await collect(request, gens, lambda i, out: choices[i].add(tok, out)):
         return Response(status_code=499)
-    task.result()
     return JSONResponse(
         {**base, "choices": [c.body() for c in choices], "usage": _usage(choices, n)}
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request
@@ -20,6 +20,7 @@ from expresslane.server.accounts import Ticket
 from expresslane.server.errors import APIError, from_engine_error, invalid
 from expresslane.server.keys import LOCAL_OWNER
 from expresslane.server.limits import off_loop
+from expresslane.server.sse import until_disconnected
 from expresslane.server.state import ServerState
 
 log = logging.getLogger("expresslane.server")
@@ -189,6 +190,21 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutp
             task.cancel()
         for gen in gens:
             gen.abort()
+
+
+async def collect(request, gens: list[Generation], add: Callable[[int, RequestOutput], None]):
+    """Every output of `gens` to `add(index, output)` until all finish; False when the client
+    left first (the caller answers 499; the generations are aborted)."""
+
+    async def run() -> None:
+        async for i, out in merged(gens):
+            add(i, out)
+
+    task = asyncio.ensure_future(run())
+    if not await until_disconnected(request, task):
+        return False
+    task.result()
+    return True
 
 
 def prepare(

@@ -17,16 +17,16 @@ from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid, not_found
 from expresslane.server.response_job import ResponseJob, prepare_request, prepare_response
 from expresslane.server.schemas import InputTokensRequest, ResponseCreateRequest
-from expresslane.server.sse import DONE, event, sse_response, until_disconnected
+from expresslane.server.sse import event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 
 
 async def _sse(job: ResponseJob, after: int = -1):
+    """The job's events as SSE; as in OpenAI's Responses API, no `[DONE]` after the last."""
     async for name, data in job.log.follow(after):
         yield event(name, data)
-    yield DONE
 
 
 @router.post("/v1/responses")
