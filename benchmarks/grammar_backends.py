@@ -61,6 +61,24 @@ def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
     return [i for i in bits.flatten().nonzero().flatten().tolist() if i < vocab]
 
 
+def _walk(fill, mask, stopped, consume, vocab: int, eos: int, seed: int) -> list[float]:
+    """Seconds of each mask fill along a seeded random path through the grammar."""
+    rng = random.Random(seed)
+    times = []
+    for _ in range(STEPS):
+        t0 = time.perf_counter()
+        fill()
+        times.append(time.perf_counter() - t0)
+        allowed = _allowed(mask[0], vocab)
+        if not allowed or stopped():
+            break
+        token = rng.choice(allowed)
+        consume(token)
+        if token == eos:
+            break
+    return times
+
+
 def llguidance_walk(tok_json: str, vocab: int, eos: int, schema: dict, seed: int):
     import llguidance
     import llguidance.torch as lt
@@ -73,19 +91,8 @@ def llguidance_walk(tok_json: str, vocab: int, eos: int, schema: dict, seed: int
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     compile_s = time.perf_counter() - start
     mask = lt.allocate_token_bitmask(1, vocab)
-    rng = random.Random(seed)
-    times = []
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        lt.fill_next_token_bitmask(matcher, mask, 0)
-        times.append(time.perf_counter() - t0)
-        allowed = _allowed(mask[0], vocab)
-        if not allowed or matcher.is_stopped():
-            break
-        token = rng.choice(allowed)
-        matcher.consume_token(token)
-        if token == eos:
-            break
+    fill = lambda: lt.fill_next_token_bitmask(matcher, mask, 0)
+    times = _walk(fill, mask, matcher.is_stopped, matcher.consume_token, vocab, eos, seed)
     return tok_s, compile_s, times
 
 
@@ -103,19 +110,8 @@ def xgrammar_walk(model_dir, vocab: int, eos: int, schema: dict, seed: int):
     matcher = xgr.GrammarMatcher(compiled)
     compile_s = time.perf_counter() - start
     mask = xgr.allocate_token_bitmask(1, vocab)
-    rng = random.Random(seed)
-    times = []
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        matcher.fill_next_token_bitmask(mask)
-        times.append(time.perf_counter() - t0)
-        allowed = _allowed(mask[0], vocab)
-        if not allowed or matcher.is_terminated():
-            break
-        token = rng.choice(allowed)
-        matcher.accept_token(token)
-        if token == eos:
-            break
+    fill = lambda: matcher.fill_next_token_bitmask(mask)
+    times = _walk(fill, mask, matcher.is_terminated, matcher.accept_token, vocab, eos, seed)
     return tok_s, compile_s, times
 
 

@@ -25,41 +25,36 @@ def fail(prog: str, message: str) -> int:
     return 2
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind: type, what: str):
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int, "a whole number")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be at least 1")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _number(text, int, "a whole number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
 
 
 def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    value = _number(text, int, "a port number")
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port: use 1 to 65535")
     return value

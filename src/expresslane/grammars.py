@@ -80,7 +80,7 @@ def tool_calls(
     elif choice == "auto" and _is_token(literal(markup.marker)):
         start = f"start: {text} | TEXT calls"  # text cannot hold the token: it ends there
     elif choice == "auto":  # a plain-text marker: the text ends at its first occurrence
-        rules += f"lead[lazy]: /{ANY}/ {literal(markup.marker)}\n"
+        rules += _after_marker_rules(markup, parallel, literal)
         start = f"start: {text} | lead after_marker"
     return Grammar(f"{head}{start}\n{rules}{markup.text_rule}\n", "tools")
 
@@ -89,21 +89,33 @@ def _is_token(lark: str) -> bool:
     return lark.startswith("<[") and " " not in lark
 
 
+def _seq(literal: Literal, *parts: str) -> str:
+    return " ".join(literal(p) for p in parts if p)
+
+
+def _tail(markup: CallMarkup, parallel: bool, literal: Literal) -> str:
+    """After the first call: more calls (when parallel), then the closing markup."""
+    more = f"({_seq(literal, markup.sep)} call)*" if parallel else ""
+    return f"{more} {_seq(literal, markup.close)}"
+
+
 def _calls_rules(markup: CallMarkup, tools: list[dict], parallel: bool, literal: Literal) -> str:
-    """`calls` (the whole markup), `after_marker` (what follows the marker) and `call`."""
-
-    def seq(*parts: str) -> str:
-        return " ".join(literal(p) for p in parts if p)
-
-    more = f"({seq(markup.sep)} call)*" if parallel else ""
-    tail = f"{more} {seq(markup.close)}"
-    rest = (markup.open or markup.item_open).removeprefix(markup.marker)
-    first = "call" if markup.open else f"{seq(rest)} body {seq(markup.item_close)}"
+    """`calls` (the whole markup), `call` and its JSON `body`."""
     return (
-        f"calls: {seq(markup.open)} call {tail}\n"
-        f"after_marker: {seq(rest) if markup.open else ''} {first} {tail}\n"
-        f"call: {seq(markup.item_open)} body {seq(markup.item_close)}\n"
+        f"calls: {_seq(literal, markup.open)} call {_tail(markup, parallel, literal)}\n"
+        f"call: {_seq(literal, markup.item_open)} body {_seq(literal, markup.item_close)}\n"
         f"body: {_json(call_schema(tools, markup.args_key))}\n"
+    )
+
+
+def _after_marker_rules(markup: CallMarkup, parallel: bool, literal: Literal) -> str:
+    """`lead` (text up to the plain-text marker, lazily) and `after_marker`, the calls' markup
+    that follows it."""
+    rest = _seq(literal, (markup.open or markup.item_open).removeprefix(markup.marker))
+    first = f"{rest} call" if markup.open else f"{rest} body {_seq(literal, markup.item_close)}"
+    return (
+        f"lead[lazy]: /{ANY}/ {literal(markup.marker)}\n"
+        f"after_marker: {first} {_tail(markup, parallel, literal)}\n"
     )
 
 
