@@ -1,19 +1,47 @@
-"""`expresslane keys create|list|revoke` and `expresslane usage`: the accounts database."""
+"""`expresslane keys create|list|revoke` and `expresslane usage`: the accounts database (a
+SQLite file, or with `--database URL` the PostgreSQL database a fleet's servers share)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 import time
 
 from expresslane.lanes import LANE_NAMES
 
 
-def _db(args) -> str:
-    from expresslane.server.settings import default_accounts_path
+def _db(args):
+    """The accounts database the command names, opened."""
+    from expresslane.server.database import DatabaseUnavailable, connect
+    from expresslane.server.settings import check_database, default_accounts_path
 
-    return args.db or default_accounts_path()
+    if args.database:
+        try:
+            check_database(args.database, "--database")
+        except ValueError as e:
+            raise DatabaseUnavailable(str(e)) from None
+        return connect(args.database)
+    return connect(args.db or default_accounts_path())
+
+
+def _reports_database_errors(command):
+    """A database that cannot be opened is one line and exit status 2, not a traceback."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from expresslane.server.database import DatabaseUnavailable
+
+        try:
+            return command(args)
+        except DatabaseUnavailable as e:
+            name = command.__name__.removeprefix("cmd_")
+            print(f"expresslane {name}: error: {e}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _limit(text: str) -> tuple[str, dict]:
@@ -30,10 +58,11 @@ def _limit(text: str) -> tuple[str, dict]:
     return tier, limits
 
 
+@_reports_database_errors
 def cmd_keys(args: argparse.Namespace) -> int:
-    from expresslane.server.keys import KeyStore, Plan, connect
+    from expresslane.server.keys import KeyStore, Plan
 
-    store = KeyStore(connect(_db(args)))
+    store = KeyStore(_db(args))
     if args.action == "create":
         tiers = args.tiers.split(",")
         limits = {t: {"rpm": args.rpm, "tpm": args.tpm} for t in tiers}
@@ -98,12 +127,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reports_database_errors
 def cmd_usage(args: argparse.Namespace) -> int:
-    from expresslane.server.keys import connect
     from expresslane.server.metering import Ledger, month_start
 
     since = month_start() if args.month else time.time() - args.days * 86400 if args.days else 0
-    rows = Ledger(connect(_db(args))).usage(since)
+    rows = Ledger(_db(args)).usage(since)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -147,6 +176,13 @@ def add_account_commands(sub) -> None:
         default=None,
         help="accounts database (default: $EXPRESSLANE_ACCOUNTS or "
         "~/.local/share/expresslane/accounts.sqlite, as `serve` uses)",
+    )
+    db.add_argument(
+        "--database",
+        metavar="URL",
+        default=os.environ.get("EXPRESSLANE_DATABASE"),
+        help="the postgresql:// database `serve --database` shares (default: "
+        "$EXPRESSLANE_DATABASE; without it, the SQLite file of --db)",
     )
     k = sub.add_parser("keys", help="create, list and revoke API keys")
     actions = k.add_subparsers(dest="action", required=True)

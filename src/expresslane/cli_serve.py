@@ -52,6 +52,14 @@ def add_serve_command(sub, engine_args) -> None:
         "~/.local/share/expresslane/accounts.sqlite)",
     )
     s.add_argument(
+        "--database",
+        metavar="URL",
+        default=os.environ.get("EXPRESSLANE_DATABASE"),
+        help="a postgresql:// URL: API keys, ledger, stored responses and rate limits live in "
+        "that database, shared by every server given it (needs the postgres extra; default: "
+        "$EXPRESSLANE_DATABASE, else SQLite files)",
+    )
+    s.add_argument(
         "--served-model-name",
         metavar="NAME",
         default=None,

@@ -7,6 +7,10 @@ queue bounds (429 `queue_full` when the lane's queue is full, `too_many_requests
 past the key's in-flight limit) -> monthly quota (429 `insufficient_quota`) -> requests/min and
 tokens/min of the served tier (429 with Retry-After). Every 429 carries `x-ratelimit-*` headers.
 The outcome is a `Ticket` that travels with the request.
+
+`path` names the accounts database: a SQLite file (rate limits then count in this process), or
+a PostgreSQL URL that several servers share: keys, ledger and the rate-limit buckets
+(`shared_limits.py`) then hold across all of them. The in-flight bound stays per server.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 from expresslane.lanes import LANE_NAMES, Lane
+from expresslane.server.database import connect
 from expresslane.server.errors import APIError
-from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan, connect
+from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
+from expresslane.server.shared_limits import SharedRateLimiter
 from expresslane.server.tiers import canonical_tier
 
 log = logging.getLogger("expresslane.server")
@@ -76,7 +82,7 @@ class Accounts:
         db = connect(path)
         self.keys = KeyStore(db)
         self.ledger = Ledger(db)
-        self.limiter = RateLimiter()
+        self.limiter = SharedRateLimiter(db) if db.shared else RateLimiter()
         self.prices = prices
         self.lanes = lanes
         self.queue_limits = queue_limits or QueueLimits()

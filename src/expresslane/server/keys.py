@@ -1,4 +1,4 @@
-"""API keys and their plans, in the accounts database (SQLite).
+"""API keys and their plans, in the accounts database (SQLite, or PostgreSQL: `database.py`).
 
 A key is shown once, when created; only its SHA-256 is stored. Each key has a plan: the tiers it
 may use, its default tier (what `service_tier: "auto"` means for it), requests/min and
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
-import sqlite3
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from expresslane.lanes import LANE_NAMES
+from expresslane.server.database import Database
+from expresslane.server.database import connect as connect  # the accounts database, opened
+from expresslane.server.migrations import Migration, migrate
 
 KEY_PREFIX = "el-"
 POLICIES = ("queue", "downgrade", "reject")
@@ -36,8 +36,9 @@ CREATE TABLE IF NOT EXISTS api_keys (
     plan TEXT NOT NULL,
     created_at REAL NOT NULL,
     revoked_at REAL
-);
+)
 """
+MIGRATIONS = [Migration(1, (SCHEMA,))]
 
 
 @dataclass
@@ -107,21 +108,10 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def connect(path: str) -> sqlite3.Connection:
-    if path != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-    if path != ":memory:":
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-    return db
-
-
 class KeyStore:
-    def __init__(self, db: sqlite3.Connection):
+    def __init__(self, db: Database):
         self.db = db
-        self.lock = threading.Lock()
-        db.executescript(SCHEMA)
+        migrate(db, "keys", MIGRATIONS)
         self._has_keys, self._has_keys_at = False, float("-inf")
 
     def create(self, name: str, plan: Plan) -> tuple[ApiKey, str]:
@@ -129,11 +119,10 @@ class KeyStore:
         self._has_keys_at = float("-inf")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = ApiKey("key_" + secrets.token_hex(6), name, secret[:8], plan, time.time())
-        with self.lock:
-            self.db.execute(
-                "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
-                (key.id, name, _hash(secret), key.hint, plan.to_json(), key.created_at),
-            )
+        self.db.execute(
+            "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
+            (key.id, name, _hash(secret), key.hint, plan.to_json(), key.created_at),
+        )
         return key, secret
 
     def has_keys(self) -> bool:
@@ -141,38 +130,31 @@ class KeyStore:
         kept for a second (keys made by `expresslane keys` meanwhile count from then on)."""
         now = time.monotonic()
         if now - self._has_keys_at > 1.0:
-            with self.lock:
-                row = self.db.execute("SELECT 1 FROM api_keys LIMIT 1").fetchone()
+            row = self.db.execute("SELECT 1 FROM api_keys LIMIT 1").one()
             self._has_keys, self._has_keys_at = row is not None, now
         return self._has_keys
 
     def lookup(self, secret: str) -> ApiKey | None:
         """The active key with this secret, or None."""
-        with self.lock:
-            row = self.db.execute(
-                "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys "
-                "WHERE hash = ? AND revoked_at IS NULL",
-                (_hash(secret),),
-            ).fetchone()
+        row = self.db.execute(
+            "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys "
+            "WHERE hash = ? AND revoked_at IS NULL",
+            (_hash(secret),),
+        ).one()
         return None if row is None else _key(row)
 
     def list(self) -> list[ApiKey]:
-        with self.lock:
-            rows = self.db.execute(
-                "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys "
-                "ORDER BY created_at"
-            ).fetchall()
+        rows = self.db.execute(
+            "SELECT id, name, hint, plan, created_at, revoked_at FROM api_keys ORDER BY created_at"
+        ).rows
         return [_key(r) for r in rows]
 
     def revoke(self, id_or_name: str) -> int:
         """Revoke the key with this id (or every active key with this name); returns how many."""
-        with self.lock:
-            cur = self.db.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE (id = ? OR name = ?) "
-                "AND revoked_at IS NULL",
-                (time.time(), id_or_name, id_or_name),
-            )
-        return cur.rowcount
+        return self.db.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE (id = ? OR name = ?) AND revoked_at IS NULL",
+            (time.time(), id_or_name, id_or_name),
+        ).rowcount
 
 
 def _key(row) -> ApiKey:

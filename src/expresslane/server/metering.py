@@ -5,17 +5,19 @@ stop, billed for the tokens it had generated.)
 cost = (uncached input × input price + cached input × cached-input price + output × output
 price) / 1M × the serving lane's price multiplier (e.g. ultrafast 6×, flex 0.5×). Prices come
 from the `[prices]` table of the config file. `expresslane usage` sums the ledger per key and
-tier.
+tier. The ledger lives in the accounts database (`database.py`: SQLite, or PostgreSQL shared
+by a fleet's servers).
 """
 
 from __future__ import annotations
 
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass, fields
 
-SCHEMA = """
+from expresslane.server.database import Database
+from expresslane.server.migrations import Migration, migrate
+
+TABLE = """
 CREATE TABLE IF NOT EXISTS ledger (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     ts REAL NOT NULL,
@@ -33,10 +35,28 @@ CREATE TABLE IF NOT EXISTS ledger (
     decode_s REAL,
     e2e_s REAL,
     cost REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS ledger_key_ts ON ledger (key_id, ts);
-CREATE INDEX IF NOT EXISTS ledger_request ON ledger (request_id);
+)
 """
+MIGRATIONS = [
+    Migration(
+        1,
+        (
+            TABLE,
+            "CREATE INDEX IF NOT EXISTS ledger_key_ts ON ledger (key_id, ts)",
+            "CREATE INDEX IF NOT EXISTS ledger_request ON ledger (request_id)",
+        ),
+    ),
+    # An interrupted request is billed once even when two servers recover it at the same time.
+    Migration(
+        2,
+        (
+            "CREATE UNIQUE INDEX IF NOT EXISTS ledger_interrupted_once ON ledger (request_id) "
+            "WHERE status = 'interrupted'",
+        ),
+    ),
+]
+# INSERT ... SELECT's values get no type from the columns in PostgreSQL (a NULL would be text)
+CASTS = {"str": "TEXT", "int": "INTEGER", "float": "DOUBLE PRECISION"}
 
 
 @dataclass
@@ -89,57 +109,54 @@ def month_start(now: float | None = None) -> float:
     return time.mktime((t.tm_year, t.tm_mon, 1, 0, 0, 0, 0, 0, 0)) - time.timezone
 
 
+NAMES = [f.name for f in fields(LedgerRow)]
+INSERT = f"INSERT INTO ledger (ts, {', '.join(NAMES)}) "
+RECORD = INSERT + f"VALUES (?, {', '.join('?' * len(NAMES))})"
+RECORD_ONCE = (
+    INSERT
+    + "SELECT CAST(? AS DOUBLE PRECISION), "
+    + ", ".join(f"CAST(? AS {CASTS[f.type.split(' ')[0]]})" for f in fields(LedgerRow))
+    + " WHERE NOT EXISTS (SELECT 1 FROM ledger WHERE request_id = ?) ON CONFLICT DO NOTHING"
+)
+
+
 class Ledger:
-    def __init__(self, db: sqlite3.Connection):
+    def __init__(self, db: Database):
         self.db = db
-        self.lock = threading.Lock()
-        db.executescript(SCHEMA)
+        migrate(db, "ledger", MIGRATIONS)
 
     def record(self, row: LedgerRow) -> None:
-        names = [f.name for f in fields(LedgerRow)]
-        values = [getattr(row, n) for n in names]
-        with self.lock:
-            self.db.execute(
-                f"INSERT INTO ledger (ts, {', '.join(names)}) "
-                f"VALUES (?, {', '.join('?' * len(names))})",
-                [time.time(), *values],
-            )
+        values = [getattr(row, n) for n in NAMES]
+        self.db.execute(RECORD, [time.time(), *values])
 
     def record_once(self, row: LedgerRow) -> bool:
         """Write the row unless the ledger already has one for its request id (one statement,
-        so billing a request twice is impossible); True if it was written."""
-        names = [f.name for f in fields(LedgerRow)]
-        values = [getattr(row, n) for n in names]
-        with self.lock:
-            cur = self.db.execute(
-                f"INSERT INTO ledger (ts, {', '.join(names)}) "
-                f"SELECT ?, {', '.join('?' * len(names))} "
-                "WHERE NOT EXISTS (SELECT 1 FROM ledger WHERE request_id = ?)",
-                [time.time(), *values, row.request_id],
-            )
-        return cur.rowcount == 1
+        so billing a request twice is impossible; two servers recovering the same request at
+        once meet the unique index of interrupted rows); True if it was written."""
+        values = [getattr(row, n) for n in NAMES]
+        result = self.db.execute(RECORD_ONCE, [time.time(), *values, row.request_id])
+        return result.rowcount == 1
 
     def tokens_since(self, key_id: str, since: float) -> int:
-        with self.lock:
-            (total,) = self.db.execute(
-                "SELECT COALESCE(SUM(input_tokens + output_tokens), 0) FROM ledger "
-                "WHERE key_id = ? AND ts >= ?",
-                (key_id, since),
-            ).fetchone()
+        (total,) = self.db.execute(
+            "SELECT COALESCE(SUM(input_tokens + output_tokens), 0) FROM ledger "
+            "WHERE key_id = ? AND ts >= ?",
+            (key_id, since),
+        ).one()
         return int(total)
 
     def usage(self, since: float | None = None) -> list[dict]:
         """Totals per key and served tier."""
-        with self.lock:
-            rows = self.db.execute(
-                "SELECT key_id, tier_served, COUNT(DISTINCT request_id), "
-                "SUM(status = 'abort'), SUM(status = 'interrupted'), SUM(input_tokens), "
-                "SUM(cached_tokens), SUM(output_tokens), SUM(cost), AVG(ttft_s), "
-                "SUM(output_tokens) / NULLIF(SUM(decode_s), 0) "
-                "FROM ledger WHERE ts >= ? GROUP BY key_id, tier_served "
-                "ORDER BY key_id, tier_served",
-                (since or 0.0,),
-            ).fetchall()
+        rows = self.db.execute(
+            "SELECT key_id, tier_served, COUNT(DISTINCT request_id), "
+            "SUM(CASE WHEN status = 'abort' THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN status = 'interrupted' THEN 1 ELSE 0 END), SUM(input_tokens), "
+            "SUM(cached_tokens), SUM(output_tokens), SUM(cost), AVG(ttft_s), "
+            "SUM(output_tokens) / NULLIF(SUM(decode_s), 0) "
+            "FROM ledger WHERE ts >= ? GROUP BY key_id, tier_served "
+            "ORDER BY key_id, tier_served",
+            (since or 0.0,),
+        ).rows
         cols = [
             "key_id",
             "tier",
@@ -156,10 +173,9 @@ class Ledger:
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     def rows(self, request_id: str | None = None) -> list[dict]:
-        with self.lock:
-            cur = self.db.execute(
-                "SELECT * FROM ledger" + (" WHERE request_id LIKE ?" if request_id else ""),
-                (request_id + "%",) if request_id else (),
-            )
-            cols = [d[0] for d in cur.description]
-            return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+        result = self.db.execute(
+            "SELECT * FROM ledger"
+            + (" WHERE request_id LIKE ? ORDER BY id" if request_id else " ORDER BY id"),
+            (request_id + "%",) if request_id else (),
+        )
+        return [dict(zip(result.columns, r, strict=True)) for r in result.rows]

@@ -5,6 +5,9 @@ the requests bucket and its estimated tokens (prompt + max output tokens) from t
 when it finishes, the estimate is corrected to the tokens it really used, so a bucket may go
 below zero and the next request then waits. A refused request gets 429 with `Retry-After`
 (whole seconds) and `retry-after-ms`, which the openai SDK honors.
+
+`RateLimiter` keeps the buckets in this process; with a database several servers share,
+`shared_limits.SharedRateLimiter` keeps them there (same decisions, same headers).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ def go_duration(seconds: float) -> str:
 
 
 class Bucket:
-    def __init__(self, per_minute: int):
+    def __init__(self, per_minute: int, level: float | None = None):
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0  # refill per second
-        self.level = float(per_minute)
+        self.level = float(per_minute if level is None else level)
         self.stamp = time.monotonic()
 
     def refill(self, now: float) -> None:
@@ -62,6 +65,40 @@ class Decision:
     limit: str | None = None  # "requests" or "tokens": what was exhausted
 
 
+Buckets = dict  # kind ("requests", "tokens") -> (refilled Bucket or None: no limit, amount)
+
+
+def decide(buckets: Buckets, allowed: bool | None = None) -> Decision:
+    """Take every amount if all are available (or as `allowed` says, when the buckets' store
+    decided already), else refuse, taking nothing; the decision with its headers."""
+    waits = {k: b.wait_for(amount) for k, (b, amount) in buckets.items() if b is not None}
+    worst = max(waits, key=waits.get, default=None)
+    if allowed is None:
+        allowed = worst is None or waits[worst] == 0
+    if allowed:
+        for b, amount in buckets.values():
+            if b is not None:
+                b.level -= amount
+        return Decision(True, 0.0, headers(buckets))
+    wait = waits[worst]
+    refused = headers(buckets)
+    refused["retry-after"] = str(max(1, math.ceil(wait)))
+    refused["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+    return Decision(False, wait, refused, limit=worst)
+
+
+def headers(buckets: Buckets) -> dict[str, str]:
+    """The `x-ratelimit-*` headers of the buckets as they stand."""
+    out = {}
+    for kind, (b, _) in buckets.items():
+        if b is None:
+            continue
+        out[f"x-ratelimit-limit-{kind}"] = str(int(b.capacity))
+        out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(b.level)))
+        out[f"x-ratelimit-reset-{kind}"] = go_duration(b.reset_in())
+    return out
+
+
 class RateLimiter:
     def __init__(self):
         self._buckets: dict[tuple[str, str, str], Bucket] = {}
@@ -83,24 +120,10 @@ class RateLimiter:
                 "requests": (self._bucket(key_id, tier, "requests", rpm), 1),
                 "tokens": (self._bucket(key_id, tier, "tokens", tpm), tokens),
             }
-            waits = {}
-            for kind, (b, amount) in buckets.items():
+            for b, _ in buckets.values():
                 if b is not None:
                     b.refill(now)
-                    waits[kind] = b.wait_for(amount)
-            worst = max(waits, key=waits.get, default=None)
-            allowed = worst is None or waits[worst] == 0
-            if allowed:
-                for b, amount in buckets.values():
-                    if b is not None:
-                        b.level -= amount
-            headers = self._headers(buckets)
-        if allowed:
-            return Decision(True, 0.0, headers)
-        wait = waits[worst]
-        headers["retry-after"] = str(max(1, math.ceil(wait)))
-        headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
-        return Decision(False, wait, headers, limit=worst)
+            return decide(buckets)
 
     def peek(self, key_id: str, tier: str, rpm: int | None, tpm: int | None) -> dict[str, str]:
         """The `x-ratelimit-*` headers of a key's buckets as they stand, taking nothing."""
@@ -113,7 +136,7 @@ class RateLimiter:
             for b, _ in buckets.values():
                 if b is not None:
                     b.refill(now)
-            return self._headers(buckets)
+            return headers(buckets)
 
     def settle(self, key_id: str, tier: str, estimated: int, used: int) -> None:
         """Correct a request's token estimate to what it really used."""
@@ -122,14 +145,3 @@ class RateLimiter:
             if b is not None:
                 b.refill(time.monotonic())
                 b.level = min(b.capacity, b.level + estimated - used)
-
-    @staticmethod
-    def _headers(buckets: dict) -> dict[str, str]:
-        headers = {}
-        for kind, (b, _) in buckets.items():
-            if b is None:
-                continue
-            headers[f"x-ratelimit-limit-{kind}"] = str(int(b.capacity))
-            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(b.level)))
-            headers[f"x-ratelimit-reset-{kind}"] = go_duration(b.reset_in())
-        return headers

@@ -39,6 +39,7 @@ def server_settings(args) -> ServerSettings:
         host=args.host,
         port=args.port,
         accounts_path=getattr(args, "accounts", None),
+        database=getattr(args, "database", None),
         served_model_name=getattr(args, "served_model_name", None),
         api_key=getattr(args, "api_key", None),
         allowed_origins=getattr(args, "allowed_origins", None),
@@ -97,11 +98,14 @@ def serve(args, engine_options: dict) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; then the server drains
     (`lifecycle.py`): new work gets 503, in-flight requests get `graceful_shutdown_seconds` to
     finish, and responses still running then end incomplete, stored and billed."""
+    from expresslane.server.database import DatabaseUnavailable, check
+
     try:
         settings = server_settings(args)
         config = engine_config(args, engine_options)
+        check(settings.database)  # the shared database answers (and its driver is installed)
         sock = bind(settings.host, settings.port)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, DatabaseUnavailable) as e:
         return fail(PROG, str(e))
     configure_logging(settings.log_level, settings.log_format)
     try:

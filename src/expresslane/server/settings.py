@@ -1,5 +1,9 @@
 """Server settings: where to listen, where to keep stored responses, limits.
 
+`database`, a PostgreSQL URL, puts API keys, the ledger, stored responses and rate limits in
+that database, shared by every server given it (a fleet's ingress processes); without it they
+are this process's SQLite files (`store_path`, `accounts_path`).
+
 They come from defaults, then the `[server]` table of the TOML file given with
 `expresslane serve --config FILE`, then the command-line flags.
 """
@@ -11,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from expresslane.errors import InvalidRequestError
+from expresslane.server.database import is_postgres
 from expresslane.server.preflight import check_types
 
 try:
@@ -44,6 +49,7 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the model directory's name
     store_path: str | None = None  # SQLite file; ":memory:" keeps nothing; None: default path
     accounts_path: str | None = None  # API keys + usage ledger (SQLite); None: default path
+    database: str | None = None  # postgresql://...: keys, ledger, store, limits shared there
     websocket_max_connection_seconds: float = 3600.0  # WebSocket mode connection lifetime
     max_body_bytes: int = 16 * 2**20  # request bodies larger than this get 413
     max_input_items: int = 4096  # messages, input items or prompts in one request
@@ -64,9 +70,14 @@ class ServerSettings:
     prices: dict | None = None  # the [prices] table: base prices per 1M tokens
 
     def resolved_store_path(self) -> str:
+        """The response store: the shared database if there is one, else a SQLite file."""
+        if is_postgres(self.database):
+            return self.database
         return self.store_path or default_store_path()
 
     def resolved_accounts_path(self) -> str:
+        if is_postgres(self.database):
+            return self.database
         return self.accounts_path or default_accounts_path()
 
     @classmethod
@@ -91,7 +102,17 @@ class ServerSettings:
         data.update({k: v for k, v in overrides.items() if v is not None})
         if data.get("log_format", "text") not in ("text", "json"):
             raise ValueError(f"[server] log_format = {data['log_format']!r}: use text or json")
+        check_database(data.get("database"))
         return cls(**data)
+
+
+def check_database(database: str | None, where: str = "[server] database =") -> None:
+    """A database setting names PostgreSQL (SQLite files are `store_path`/`accounts_path`)."""
+    if database and not is_postgres(database):
+        raise ValueError(
+            f"{where} {database[:40]!r}: use a postgresql:// URL (without it, keys, ledger "
+            "and stored responses are SQLite files)"
+        )
 
 
 def engine_options_from_toml(path: str | None) -> dict:

@@ -1,7 +1,7 @@
-"""The response store (SQLite): responses created with `store: true`, their input items, the
-conversation they end (the chat messages a `previous_response_id` continuation re-renders),
-and who made them (owner, key, tiers, model, request id: what ownership checks and billing
-after a crash need).
+"""The response store (SQLite, or PostgreSQL shared by a fleet's servers): responses created
+with `store: true`, their input items, the conversation they end (the chat messages a
+`previous_response_id` continuation re-renders), and who made them (owner, key, tiers, model,
+request id: what ownership checks and billing after a crash need).
 
 A response is written when it is created, again as it progresses and when it ends. Writes go
 through `StoreWriter`, a thread that commits them in batches (latest state per response wins),
@@ -9,21 +9,21 @@ so no SQLite write or fsync runs on the event loop; reads see pending writes fir
 response is readable the moment it is put. Files use WAL with `synchronous=FULL` on the writing
 connection: a committed write survives `kill -9` (any synchronous setting does, in WAL) and
 power loss too, and batching keeps the fsyncs to about one per batch. `":memory:"` keeps
-everything in memory (tests).
+everything in memory (tests). In PostgreSQL (`database.py`) the writer and the readers have a
+connection each, and the batches are transactions there.
 
-Old files gain the origin columns on open; their rows belong to the local owner.
+Old files gain the origin columns on open (migration 1); their rows belong to the local owner.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sqlite3
-import threading
 import time
 from dataclasses import astuple, dataclass, field, fields
 
+from expresslane.server.database import Database, connect
 from expresslane.server.keys import LOCAL_OWNER, OPEN_ACCESS_ID
+from expresslane.server.migrations import Migration, migrate
 from expresslane.server.store_writer import StoreWriter
 
 SCHEMA = """
@@ -39,6 +39,10 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 BASE_COLUMNS = ("id", "created_at", "updated_at", "status", "response", "input_items", "context")
 UNFINISHED = ("queued", "in_progress")
+# A shared database's unfinished responses may be running on another server: one starting
+# recovers only those no server has saved for this long (a running one saves its progress at
+# least every few seconds while it generates; a queued one waits at most its queue deadline).
+SHARED_IDLE_SECONDS = 600.0
 
 
 @dataclass
@@ -69,26 +73,28 @@ class StoredResponse:
         return self.origin.owner
 
 
-def _connect(path: str, synchronous: str) -> sqlite3.Connection:
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-    if path != ":memory:":
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={synchronous}")
-    return db
-
-
-def migrate(db: sqlite3.Connection) -> None:
-    """Create the table, and add the origin columns a file made before them lacks (old rows
-    get the defaults: the local owner)."""
-    db.execute(SCHEMA)
-    have = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+def _add_origin_columns(db: Database) -> None:
+    """Add the origin columns a file made before them lacks (old rows get the defaults: the
+    local owner)."""
+    have = db.columns("responses")
     for f in fields(Origin):
         if f.name not in have:
             default = str(f.default).replace("'", "''")
             db.execute(
                 f"ALTER TABLE responses ADD COLUMN {f.name} TEXT NOT NULL DEFAULT '{default}'"
             )
-    db.execute("CREATE INDEX IF NOT EXISTS responses_status ON responses (status)")
+
+
+MIGRATIONS = [
+    Migration(
+        1,
+        (
+            SCHEMA,
+            _add_origin_columns,
+            "CREATE INDEX IF NOT EXISTS responses_status ON responses (status)",
+        ),
+    )
+]
 
 
 def _decode(row: tuple) -> StoredResponse:
@@ -103,17 +109,15 @@ def _decode(row: tuple) -> StoredResponse:
 
 class ResponseStore:
     def __init__(self, path: str = ":memory:"):
+        """`path`: a SQLite file, `":memory:"` or a PostgreSQL URL."""
         self.path = path
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_db = _connect(path, "FULL")
-        migrate(write_db)
-        self._write_lock = threading.Lock()
+        write_db = connect(path, synchronous="FULL")
+        migrate(write_db, "responses", MIGRATIONS)
         if path == ":memory:":  # one database, shared by both sides
-            self._read_db, self._read_lock = write_db, self._write_lock
+            self._read_db = write_db
         else:  # WAL: a reader never waits for the writer's fsync
-            self._read_db, self._read_lock = _connect(path, "NORMAL"), threading.Lock()
-        self._writer = StoreWriter(write_db, self._write_lock, COLUMNS)
+            self._read_db = connect(path)
+        self._writer = StoreWriter(write_db, COLUMNS)
 
     def put(
         self,
@@ -142,10 +146,9 @@ class ResponseStore:
         someone else's (the same answer, so ids of others cannot be probed)."""
         pending, row = self._writer.pending(response_id)
         if not pending:
-            with self._read_lock:
-                row = self._read_db.execute(
-                    f"SELECT {', '.join(COLUMNS)} FROM responses WHERE id = ?", (response_id,)
-                ).fetchone()
+            row = self._read_db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM responses WHERE id = ?", (response_id,)
+            ).one()
         if row is None:
             return None
         stored = _decode(row)
@@ -160,15 +163,19 @@ class ResponseStore:
         self._writer.put(response_id, None)
         return True
 
-    def unfinished(self) -> list[StoredResponse]:
-        """Responses left queued or in progress (after a crash, when the server starts)."""
+    def unfinished(self, idle_seconds: float | None = None) -> list[StoredResponse]:
+        """Responses left queued or in progress (after a crash, when the server starts) and
+        not saved for `idle_seconds` (default: 0, or `SHARED_IDLE_SECONDS` in a database
+        other servers share)."""
         self.flush()
+        if idle_seconds is None:
+            idle_seconds = SHARED_IDLE_SECONDS if self._read_db.shared else 0.0
         marks = ", ".join("?" * len(UNFINISHED))
-        with self._read_lock:
-            rows = self._read_db.execute(
-                f"SELECT {', '.join(COLUMNS)} FROM responses WHERE status IN ({marks})",
-                UNFINISHED,
-            ).fetchall()
+        rows = self._read_db.execute(
+            f"SELECT {', '.join(COLUMNS)} FROM responses WHERE status IN ({marks})"
+            + (" AND updated_at <= ?" if idle_seconds > 0 else ""),
+            (*UNFINISHED, time.time() - idle_seconds) if idle_seconds > 0 else UNFINISHED,
+        ).rows
         return [_decode(r) for r in rows]
 
     def flush(self) -> None:
@@ -177,14 +184,11 @@ class ResponseStore:
 
     def __len__(self) -> int:
         self.flush()
-        with self._read_lock:
-            return self._read_db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+        return self._read_db.execute("SELECT COUNT(*) FROM responses").one()[0]
 
     def close(self) -> None:
         """Commit what is pending, then close."""
         self._writer.close()
-        with self._read_lock:
-            self._read_db.close()
+        self._read_db.close()
         if self._read_db is not self._writer.db:
-            with self._write_lock:
-                self._writer.db.close()
+            self._writer.db.close()

@@ -3,26 +3,33 @@
 Writes are keyed by response id and carry the whole row (or None: delete), so a newer write of
 the same response replaces one still waiting: a response progressing fast costs one row write
 per batch, whatever its rate. Each batch is one transaction, in the order the ids were first
-queued. Until a write is committed, `pending` answers reads with it.
+queued. Until a write is committed, `pending` answers reads with it. The same SQL runs on
+SQLite and PostgreSQL (`database.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
+
+from expresslane.server.database import Database
 
 log = logging.getLogger("expresslane.server")
 
 
+def upsert(columns: tuple[str, ...]) -> str:
+    """Insert a row, or replace the one with its id (`columns[0]`)."""
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
+    return (
+        f"INSERT INTO responses ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+        f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates}"
+    )
+
+
 class StoreWriter:
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock, columns: tuple[str, ...]):
-        self.db = db
-        self._lock = lock  # guards `db` (shared with readers for ":memory:")
-        self._upsert = (
-            f"INSERT OR REPLACE INTO responses ({', '.join(columns)}) "
-            f"VALUES ({', '.join('?' * len(columns))})"
-        )
+    def __init__(self, db: Database, columns: tuple[str, ...]):
+        self.db = db  # its own connection (or, for ":memory:", the readers' one too)
+        self._upsert = upsert(columns)
         self._cv = threading.Condition()
         self._queued: dict[str, tuple | None] = {}
         self._writing: dict[str, tuple | None] = {}
@@ -73,15 +80,9 @@ class StoreWriter:
                 self._cv.notify_all()
 
     def _write(self, batch: dict[str, tuple | None]) -> None:
-        with self._lock:
-            self.db.execute("BEGIN")
-            try:
-                for response_id, row in batch.items():
-                    if row is None:
-                        self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-                    else:
-                        self.db.execute(self._upsert, row)
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
+        with self.db.transaction():
+            for response_id, row in batch.items():
+                if row is None:
+                    self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+                else:
+                    self.db.execute(self._upsert, row)
