@@ -84,7 +84,6 @@ class ToolParser:
         """Parse markup that starts with a start marker; None when it is malformed."""
         raise NotImplementedError
 
-
     def streamer(self, declared: set[str] | None = None) -> ToolCallStreamer:
         return ToolCallStreamer(self, declared)
 
@@ -113,7 +112,6 @@ class HermesToolParser(ToolParser):
         return calls or None
 
 
-
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     markup = CallMarkup(sep="; ", args_key="parameters", anchored=True)
@@ -137,7 +135,6 @@ class Llama3JsonToolParser(ToolParser):
             while pos < len(text) and text[pos] in " \t\r\n;":
                 pos += 1
         return calls or None
-
 
 
 class MistralToolParser(ToolParser):
@@ -165,7 +162,6 @@ class MistralToolParser(ToolParser):
                 return None
             calls.append(call)
         return calls or None
-
 
 
 class ToolCallStreamer:

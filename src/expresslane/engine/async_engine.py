@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request
+from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
@@ -72,6 +73,31 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def model_path(self) -> str | None:
+        """The model directory as configured; None for the bundled demo model."""
+        return self.engine.config.model or None
+
+    @property
+    def lanes(self):
+        return self.engine.lanes
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def grammar_literal(self, text: str) -> str:
+        """`text` as a grammar literal for this model's tokenizer (engine/grammar.py)."""
+        return self.engine.grammars.literal(text)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Queues, lane targets, speculation counters and KV use, copied now."""
+        return self.engine.snapshot()
+
     def lane_load(self, lane: str) -> int:
         """Requests of this lane submitted and not finished yet."""
         return self._lane_load.get(lane, 0)
@@ -97,8 +123,12 @@ class AsyncEngine:
         arguments of `LLMEngine.make_request`, `cache_salt` included."""
         return self.engine.make_request(*args, **kwargs)
 
-    def enqueue(self, req: Request) -> RequestStream:
-        """Hand a request made by `make_request` to the step loop; returns its stream."""
+    def check_placement(self, tier: str, regions: list[str] | None) -> None:
+        """One process serves every tier it has wherever its key may be served."""
+
+    def enqueue(self, req: Request, regions: list[str] | None = None) -> RequestStream:
+        """Hand a request made by `make_request` to the step loop; returns its stream
+        (`regions` concern fleets only)."""
         stream = RequestStream(req, self)
         with self._lock:
             if req.request_id in self._streams:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -13,16 +11,17 @@ import torch
 
 from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
-from expresslane.engine.admission import check_params, tokenize
 from expresslane.engine.calibration import calibrate, resolve_targets
 from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.guesses import GuessPlanner
 from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
-from expresslane.engine.output import OutputProcessor, RequestOutput, TextState
+from expresslane.engine.output import OutputProcessor, RequestOutput
 from expresslane.engine.request import Request
+from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
 from expresslane.engine.scheduler import Scheduler
+from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
@@ -33,19 +32,9 @@ from expresslane.spec import make_proposer
 from expresslane.spec.draft import DraftModelProposer
 from expresslane.spec.payoff import SpecPayoff
 from expresslane.spec.stats import SpecStats
-from expresslane.tokenizer import Tokenizer
 
 log = logging.getLogger("expresslane.engine")
 QUEUE_TIMEOUT = "queue_timeout"  # the error text of requests that waited too long to start
-_ids = itertools.count()
-
-
-def _generation_eos(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return eos if isinstance(eos, list) else ([] if eos is None else [eos])
 
 
 class LLMEngine:
@@ -61,23 +50,18 @@ class LLMEngine:
         self.model, self.model_config = load_model(
             model_dir, self.dtype, self.device, max_len, linear_dtype, config.quantization
         )
-        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
-        self.tokenizer = (
-            Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        self.lanes = build_lanes(config.lanes)
+        self.factory = RequestFactory(
+            model_dir,
+            mcfg,
+            self.lanes,
+            max_len,
+            Path(config.tokenizer) if config.tokenizer else None,
+            self.device.type != "cpu",  # on a CPU the forward pass keeps every core busy
         )
-        eos = set(mcfg.eos_token_ids) | set(_generation_eos(model_dir))
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        tok_json = tok_dir / "tokenizer.json"
-        self._grammars = (
-            # on a CPU the forward pass keeps every core busy: masks are filled inline there
-            GrammarMatchers(
-                tok_json.read_text(), mcfg.vocab_size, sorted(eos), self.device.type != "cpu"
-            )
-            if tok_json.is_file()
-            else None
-        )
+        self.tokenizer = self.factory.tokenizer
+        self.eos_token_ids = self.factory.eos_token_ids
+        self._grammars = self.factory.grammars
 
         per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.kv_bytes_per_token = per_block // config.block_size
@@ -88,9 +72,8 @@ class LLMEngine:
                 "KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len
             )
             max_len = capacity
-        self.max_model_len = max_len
+        self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.lanes = build_lanes(config.lanes)
         self.runner = ModelRunner(
             self.model,
             mcfg,
@@ -145,6 +128,29 @@ class LLMEngine:
             )
         return self._drafts[path]
 
+    def snapshot(self) -> EngineSnapshot:
+        """A copy of what the server reports (server/metrics.py); safe from another thread:
+        it copies the scheduler's lists before counting."""
+        running, waiting = {}, {}
+        for counts, queue in (
+            (running, list(self.scheduler.running)),
+            (waiting, list(self.scheduler.waiting)),
+        ):
+            for req in queue:
+                counts[req.lane] = counts.get(req.lane, 0) + 1
+        targets = dict(self.scheduler.targets)
+        return EngineSnapshot(
+            running,
+            waiting,
+            {lane.name: targets[lane.rank] for lane in self.lanes.values() if lane.rank in targets},
+            {
+                lane: SpecCounts(s.steps, s.proposed, s.accepted)
+                for lane, s in self.lane_spec_stats.items()
+            },
+            self.kv.num_used_blocks,
+            self.kv.num_blocks,
+        )
+
     # -- requests -----------------------------------------------------------------------
 
     def make_request(
@@ -156,37 +162,9 @@ class LLMEngine:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenize; raises InvalidRequestError. Touches no engine state, so
-        it is safe to call from another thread. Requests share cached prompt prefixes only
-        with requests of the same `cache_salt` (None: with every request without one)."""
-        spec = self.lanes.get(lane)
-        if spec is None or not spec.enabled:
-            enabled = [name for name, la in self.lanes.items() if la.enabled]
-            raise InvalidRequestError(
-                f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        vocab = self.model_config.vocab_size
-        ids, text = tokenize(self.tokenizer, vocab, prompt, add_special_tokens)
-        params = check_params(params, len(ids), self.max_model_len, vocab)
-        room = self.max_model_len - len(ids)
-        req = Request(
-            request_id if request_id is not None else f"req-{next(_ids)}",
-            ids,
-            params,
-            priority=spec.rank,
-            lane=lane,
-            eos_token_ids=self.eos_token_ids,
-            prompt=text,
-            max_tokens=params.max_tokens or room,
-            cache_salt=cache_salt,
-        )
-        if self.tokenizer is not None:
-            req.detok = TextState(self.tokenizer, req)
-        if params.grammar is not None:
-            req.matcher = self.grammars.matcher(params.grammar)
-        return req
+        """Validate and tokenize (`RequestFactory.make`); touches no engine state, so it is
+        safe to call from another thread."""
+        return self.factory.make(prompt, params, request_id, lane, add_special_tokens, cache_salt)
 
     @property
     def grammars(self) -> GrammarMatchers:

@@ -144,7 +144,8 @@ class GrammarMatchers:
         """Start filling the masks of this step's constrained rows; None when there are
         none (the step then costs nothing extra)."""
         sampled = [
-            r for r, n in items
+            r
+            for r, n in items
             if r.matcher is not None and r.num_computed_tokens + n >= r.num_tokens
         ]
         if not sampled:

@@ -108,7 +108,8 @@ class Scheduler:
             return []
         running = _count_by_rank(self.running)
         return [
-            r for r in self.waiting
+            r
+            for r in self.waiting
             if r.priority in self.targets
             and running.get(r.priority, 0) < self.rank_lane[r.priority].max_batch
         ]
@@ -164,9 +165,7 @@ class Scheduler:
         top of what the batch so far takes, whichever is more."""
         if limit is None or not batch.items:
             return limit
-        so_far = self.step_model.predict(
-            len(batch.items), batch.num_tokens, batch.context_tokens
-        )
+        so_far = self.step_model.predict(len(batch.items), batch.num_tokens, batch.context_tokens)
         return max(limit, so_far * (1 + LOWER_LANE_SHARE))
 
     def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:

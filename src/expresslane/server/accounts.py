@@ -48,6 +48,11 @@ class Ticket:
         """Who owns what this request stores (see `ApiKey.owner`)."""
         return self.key.owner
 
+    @property
+    def regions(self) -> list[str] | None:
+        """Where a fleet may serve it (data residency); None: anywhere."""
+        return self.key.plan.regions
+
     def add_usage(self, tokens: tuple[int, int, int], timings: dict[str, float | None]) -> None:
         for name, n in zip(("input_tokens", "cached_tokens", "output_tokens"), tokens):
             self.usage[name] = self.usage.get(name, 0) + n

@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 
-from expresslane.lanes import build_lanes
+from expresslane.engine.protocol import ServingEngine
 from expresslane.server import chat, completions, responses, tokenize, websocket
 from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
@@ -38,9 +38,8 @@ log = logging.getLogger("expresslane.server")
 DEMO_MODEL_NAME = "expresslane-demo"
 
 
-def _model_names(async_engine) -> tuple[str, set[str]]:
-    config = getattr(getattr(async_engine, "engine", None), "config", None)
-    model = getattr(config, "model", None)
+def _model_names(engine: ServingEngine) -> tuple[str, set[str]]:
+    model = engine.model_path
     if not model:
         return DEMO_MODEL_NAME, set()
     return Path(model).name, {str(model)}
@@ -55,18 +54,18 @@ def _markers_are_special(tokenizer, markers) -> bool:
     return False
 
 
-def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(async_engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     name, aliases = _model_names(async_engine)
     name = settings.served_model_name or name
-    tokenizer = getattr(async_engine, "tokenizer", None)
+    tokenizer = async_engine.tokenizer
     if settings.tool_parser == "auto":
         parser = detect_tool_parser(getattr(tokenizer, "chat_template_source", None))
     else:
         parser = get_tool_parser(settings.tool_parser)
     if tokenizer is not None and _markers_are_special(tokenizer, parser.start_markers):
         parser.needs_special_tokens = True  # keep them in the text so calls can be parsed
-    lanes = getattr(getattr(async_engine, "engine", None), "lanes", None) or build_lanes(None)
+    lanes = async_engine.lanes
     accounts = Accounts(
         settings.resolved_accounts_path(),
         Prices.from_table(settings.prices),
@@ -130,7 +129,7 @@ def create_app(async_engine, settings: ServerSettings | None = None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request):
         engine = get_state(request).engine
-        if hasattr(engine, "is_alive") and not engine.is_alive():
+        if not engine.is_alive():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 

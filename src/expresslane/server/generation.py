@@ -97,7 +97,7 @@ class Generation:
         self.final: RequestOutput | None = None
         self.aborted = False
         self.last: RequestOutput | None = None
-        self.stream = state.engine.enqueue(req)
+        self.stream = state.engine.enqueue(req, ticket.regions)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         last = None

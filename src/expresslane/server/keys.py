@@ -54,6 +54,7 @@ class Plan:
     limits: dict[str, TierLimits] = field(default_factory=dict)  # tier -> limits
     monthly_tokens: int | None = None
     when_unavailable: str = "queue"
+    regions: list[str] | None = None  # a fleet's regions it may be served in; None: any
 
     def __post_init__(self):
         bad = sorted(set(self.tiers) - set(LANE_NAMES))

@@ -63,10 +63,9 @@ def readiness(state: ServerState, lifecycle: Lifecycle) -> str | None:
     engine = state.engine
     if lifecycle.draining:
         return "draining"
-    if hasattr(engine, "is_alive") and not engine.is_alive():
+    if not engine.is_alive():
         return "engine stopped"
-    ready = getattr(engine, "ready", None)
-    if ready is not None and not ready.is_set():
+    if not engine.ready.is_set():
         return "starting"
     return None
 

@@ -96,16 +96,13 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        eng = self.engine.engine
-        for name, queue, doc in (
-            ("num_requests_running", list(eng.scheduler.running), "Requests in the running batch"),
-            ("num_requests_waiting", list(eng.scheduler.waiting), "Requests waiting to run"),
+        snap = self.engine.snapshot()
+        for name, counts, doc in (
+            ("num_requests_running", snap.running, "Requests in the running batch"),
+            ("num_requests_waiting", snap.waiting, "Requests waiting to run"),
         ):
             g = GaugeMetricFamily(P + name, doc, labels=LABELS)
-            counts = dict.fromkeys(LANE_NAMES, 0)
-            for req in queue:
-                counts[req.lane] = counts.get(req.lane, 0) + 1
-            for tier, n in counts.items():
+            for tier, n in {**dict.fromkeys(LANE_NAMES, 0), **counts}.items():
                 g.add_metric([self.model_name, tier], n)
             yield g
         g = GaugeMetricFamily(
@@ -113,10 +110,8 @@ class _EngineCollector:
             "Per-request decode speed a lane is held at (lower lanes are capped to keep it)",
             labels=LABELS,
         )
-        for lane in eng.lanes.values():
-            target = eng.scheduler.targets.get(lane.rank)
-            if target is not None:
-                g.add_metric([self.model_name, lane.name], target)
+        for lane, target in snap.targets.items():
+            g.add_metric([self.model_name, lane], target)
         yield g
         for name, field, doc in (
             ("spec_decode_num_drafts", "steps", "Verification passes that checked guesses"),
@@ -124,10 +119,19 @@ class _EngineCollector:
             ("spec_decode_num_accepted_tokens", "accepted", "Speculative tokens accepted"),
         ):
             c = CounterMetricFamily(P + name, doc, labels=LABELS)
-            for lane, stats in eng.lane_spec_stats.items():
-                c.add_metric([self.model_name, lane], getattr(stats, field))
+            for lane, counts in snap.spec.items():
+                c.add_metric([self.model_name, lane], getattr(counts, field))
             yield c
-        used, total = eng.kv.num_used_blocks, eng.kv.num_blocks
+        if snap.routed:
+            c = CounterMetricFamily(
+                P + "fleet_requests_routed",
+                "Requests this ingress sent to each pool and replica",
+                labels=["model_name", "pool", "replica", "tier"],
+            )
+            for (pool, replica, tier), n in snap.routed.items():
+                c.add_metric([self.model_name, pool, replica, tier], n)
+            yield c
+        used, total = snap.kv_used_blocks, snap.kv_total_blocks
         for name, value, doc in (
             ("kv_cache_used_blocks", used, "KV cache blocks held by requests"),
             ("kv_cache_total_blocks", total, "KV cache blocks in the pool"),
@@ -196,7 +200,7 @@ class ServerMetrics:
             LABELS + ["finished_reason"],
             registry=r,
         )
-        if engine is not None and hasattr(engine, "engine"):
+        if engine is not None:
             r.register(_EngineCollector(engine, model_name))
 
     def observe_gap(self, tier: str, seconds: float, tokens: int) -> None:

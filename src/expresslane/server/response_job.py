@@ -236,9 +236,7 @@ def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSet
     if choice is not None and not isinstance(choice, str):
         choice, forced = None, choice.name
     fmt = req.text.format if req.text is not None else None
-    content = output_schema(
-        fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format"
-    )
+    content = output_schema(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
     setup = tool_setup(
         state,
         tools,
@@ -358,9 +356,7 @@ async def prepare_request(
         return attempt(messages)
 
     engine_req = await off_loop(render_and_prepare, chars + text_size(context))
-    return Prepared(
-        engine_req, items, context, new_messages, tools, choice, parser, setup.declared
-    )
+    return Prepared(engine_req, items, context, new_messages, tools, choice, parser, setup.declared)
 
 
 async def prepare_response(

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Request
 
+from expresslane.engine.protocol import ServingEngine
 from expresslane.server.accounts import Accounts, Ticket
 from expresslane.server.errors import not_found
 from expresslane.server.limits import check_chars, check_count, text_size
@@ -20,7 +21,7 @@ from expresslane.tool_parsers import ToolParser
 
 @dataclass
 class ServerState:
-    engine: object  # AsyncEngine (or anything with its submit/abort/tokenizer surface)
+    engine: ServingEngine  # AsyncEngine in one process, FleetEngine in a fleet's ingress
     settings: ServerSettings
     store: ResponseStore
     metrics: ServerMetrics
@@ -33,21 +34,19 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return getattr(self.engine, "tokenizer", None)
+        return self.engine.tokenizer
 
     @property
-    def max_model_len(self) -> int | None:
-        eng = getattr(self.engine, "engine", None)
-        return getattr(eng, "max_model_len", None)
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def grammar_literal(self, text: str) -> str:
         """`text` as a grammar literal for this model's tokenizer (engine/grammar.py)."""
-        return self.engine.engine.grammars.literal(text)
+        return self.engine.grammar_literal(text)
 
     @property
-    def vocab_size(self) -> int | None:
-        eng = getattr(self.engine, "engine", None)
-        return getattr(getattr(eng, "model_config", None), "vocab_size", None)
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -88,6 +87,7 @@ class ServerState:
         rate-limit headers go on the response."""
         key = request.state.api_key  # set by AuthMiddleware
         ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
+        self.engine.check_placement(ticket.tier, ticket.regions)
         request.state.ticket = ticket
         return ticket
 

@@ -126,6 +126,7 @@ class Connection:
             ticket = self.state.accounts.admit(
                 self.ws.state.api_key, req.service_tier, self.state.engine.lane_load
             )
+            self.state.engine.check_placement(ticket.tier, ticket.regions)
             job = await prepare_response(
                 self.state,
                 req,

@@ -1,0 +1,53 @@
+"""`ServingEngine`: all the server needs of an engine. `AsyncEngine` is one (the model in this
+process); `fleet.remote_engine.FleetEngine` is another (replicas on a Ray cluster)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from expresslane.engine.output import RequestOutput
+from expresslane.engine.request import Request
+from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.lanes import Lane
+from expresslane.tokenizer import Tokenizer
+
+
+class OutputStream(Protocol):
+    request: Request
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+
+class ServingEngine(Protocol):
+    ready: threading.Event  # set once the engine takes work
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+    @property
+    def model_path(self) -> str | None: ...
+    @property
+    def lanes(self) -> dict[str, Lane]: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+    def make_request(self, *args, **kwargs) -> Request:
+        """Validate and tokenize (raises InvalidRequestError), arguments of
+        `RequestFactory.make`."""
+
+    def check_placement(self, tier: str, regions: list[str] | None) -> None:
+        """Raise (an APIError) when the tier cannot be served in any of the regions."""
+
+    def enqueue(self, req: Request, regions: list[str] | None = None) -> OutputStream:
+        """Start a request made by `make_request` in one of the regions (None: any); must be
+        called from the event loop."""
+
+    def abort(self, request_id: str) -> None: ...
+    def lane_load(self, lane: str) -> int: ...
+    def is_alive(self) -> bool: ...
+    def grammar_literal(self, text: str) -> str: ...
+    def snapshot(self) -> EngineSnapshot: ...
+    def shutdown(self, timeout: float = 5.0) -> None: ...

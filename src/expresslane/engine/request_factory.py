@@ -1,0 +1,99 @@
+"""`RequestFactory`: validate and tokenize a request, without the model's weights.
+
+The engine makes its requests with one; a fleet's ingress (fleet/remote_engine.py) has one of
+its own, so bad input fails there, before any replica is asked. It needs only the model
+directory's config, tokenizer and generation config."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from expresslane.engine.admission import check_params, tokenize
+from expresslane.engine.grammar import GrammarMatchers
+from expresslane.engine.output import TextState
+from expresslane.engine.request import Request
+from expresslane.errors import InvalidRequestError
+from expresslane.lanes import Lane
+from expresslane.models.config import ModelConfig
+from expresslane.sampling_params import SamplingParams
+from expresslane.tokenizer import Tokenizer
+
+_ids = itertools.count()
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return eos if isinstance(eos, list) else ([] if eos is None else [eos])
+
+
+class RequestFactory:
+    def __init__(
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        lanes: dict[str, Lane],
+        max_model_len: int,
+        tokenizer_dir: Path | None = None,
+        threaded_masks: bool = False,
+    ):
+        tok_dir = tokenizer_dir or model_dir
+        tok_json = tok_dir / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_dir(tok_dir) if tok_json.is_file() else None
+        eos = set(model_config.eos_token_ids) | set(_generation_eos(model_dir))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = model_config.vocab_size
+        self.lanes = lanes
+        self.max_model_len = max_model_len
+        self.grammars = (
+            GrammarMatchers(tok_json.read_text(), self.vocab_size, sorted(eos), threaded_masks)
+            if tok_json.is_file()
+            else None
+        )
+
+    def make(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lane: str = "default",
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and tokenize; raises InvalidRequestError. Requests share cached prompt
+        prefixes only with requests of the same `cache_salt` (None: with every request
+        without one)."""
+        spec = self.lanes.get(lane)
+        if spec is None or not spec.enabled:
+            enabled = [name for name, la in self.lanes.items() if la.enabled]
+            raise InvalidRequestError(
+                f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        ids, text = tokenize(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
+        params = check_params(params, len(ids), self.max_model_len, self.vocab_size)
+        req = Request(
+            request_id if request_id is not None else f"req-{next(_ids)}",
+            ids,
+            params,
+            priority=spec.rank,
+            lane=lane,
+            eos_token_ids=self.eos_token_ids,
+            prompt=text,
+            max_tokens=params.max_tokens or self.max_model_len - len(ids),
+            cache_salt=cache_salt,
+        )
+        if self.tokenizer is not None:
+            req.detok = TextState(self.tokenizer, req)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("constrained decoding needs the model's tokenizer.json")
+            req.matcher = self.grammars.matcher(params.grammar)
+        return req
