@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every command's module is light: what loads torch is imported inside the commands.
     from expresslane.bench.cli import add_bench_command
     from expresslane.cli_accounts import add_account_commands
+    from expresslane.cli_cluster import add_cluster_command
     from expresslane.cli_quant import add_perplexity_command, add_quantize_command
     from expresslane.cli_serve import add_serve_command
 
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantize_command(sub)
     add_perplexity_command(sub)
     add_bench_command(sub)
+    add_cluster_command(sub)
     return parser
 
 

@@ -76,6 +76,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 limits=limits,
                 monthly_tokens=args.monthly_tokens,
                 when_unavailable=args.when_unavailable,
+                regions=args.regions.split(",") if args.regions else None,
             )
         except ValueError as e:
             print(f"expresslane keys create: {e}", file=sys.stderr)
@@ -103,7 +104,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         _print_table(
-            ["id", "name", "key", "tiers", "default", "when unavailable", "status"],
+            ["id", "name", "key", "tiers", "default", "when unavailable", "regions", "status"],
             [
                 [
                     k.id,
@@ -112,6 +113,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                     ",".join(k.plan.tiers),
                     k.plan.default_tier,
                     k.plan.when_unavailable,
+                    ",".join(k.plan.regions or ["any"]),
                     "revoked" if k.revoked_at else "active",
                 ]
                 for k in keys
@@ -202,6 +204,11 @@ def add_account_commands(sub) -> None:
         default="queue",
         help="when the tier asked for is full (or not allowed): wait, serve at the default "
         "tier, or refuse",
+    )
+    c.add_argument(
+        "--regions",
+        default=None,
+        help="a fleet's regions this key may be served in, comma-separated (default: any)",
     )
     c.add_argument("--json", action="store_true")
     ls = actions.add_parser("list", parents=[db], help="list keys")

@@ -1,0 +1,77 @@
+"""`expresslane cluster FILE.toml` and `expresslane cluster status`: a fleet on Ray Serve."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import threading
+
+from expresslane.cli_types import fail, positive_float
+
+PROG = "expresslane cluster"
+
+
+def add_cluster_command(sub) -> None:
+    c = sub.add_parser(
+        "cluster",
+        help="deploy a cluster file on Ray Serve (RAY_ADDRESS, or a local Ray), or show status",
+        description="`expresslane cluster FILE.toml` deploys the pools and the ingress of the "
+        "file on the Ray cluster at RAY_ADDRESS (or on a local one it starts), prints the "
+        "ingress URL and serves until interrupted. `expresslane cluster status` shows pools, "
+        "replicas, load and regions. Needs the `fleet` extra (ray[serve]).",
+    )
+    c.add_argument("target", metavar="FILE.toml|status", help="a cluster file, or `status`")
+    c.add_argument(
+        "--url",
+        default=None,
+        help="status: the ingress URL (default: http://127.0.0.1:8000, or the file's [ingress])",
+    )
+    c.add_argument(
+        "--num-cpus",
+        type=positive_float,
+        default=None,
+        help="a local Ray cluster's logical CPUs (replicas may ask for fractions of them)",
+    )
+    c.add_argument("--json", action="store_true", help="status: print the JSON")
+    c.set_defaults(func=cmd_cluster)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return fail(PROG, "Ray Serve is not installed: pip install 'expresslane[fleet]'")
+    if args.target == "status":
+        return _status(args)
+    from expresslane.fleet.cluster_file import ClusterFileError, load_cluster
+
+    try:
+        spec = load_cluster(args.target)
+    except (OSError, ClusterFileError) as e:
+        return fail(PROG, str(e))
+    from expresslane.fleet.deploy import deploy
+
+    url = deploy(spec, args.num_cpus)
+    print(f"expresslane fleet: ingress at {url} (pools: {', '.join(spec.pools)})", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import httpx
+
+    from expresslane.fleet.status import render
+
+    url = (args.url or "http://127.0.0.1:8000").rstrip("/")
+    try:
+        r = httpx.get(url + "/fleet/status", timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        return fail(PROG, f"no fleet ingress answers at {url}: {e}")
+    print(json.dumps(r.json(), indent=2) if args.json else render(r.json()))
+    return 0

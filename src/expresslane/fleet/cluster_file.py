@@ -1,0 +1,169 @@
+"""The cluster file (TOML): the pools of engine replicas a fleet runs, and its ingress.
+
+    [model]
+    path = "/models/qwen"          # omit for the bundled demo model
+    [ingress]
+    replicas = 1
+    port = 8000
+    [server]                       # ServerSettings, as in `expresslane serve --config`
+    database = "postgresql://..."  # shared by every ingress replica
+    [pools.fast]
+    tiers = ["ultrafast"]
+    replicas = 1                   # or min_replicas / max_replicas (Ray Serve autoscaling)
+    region = "eu"
+    num_cpus = 1
+    [pools.fast.engine]            # EngineConfig fields of this pool's replicas
+    max_batch = 4
+    [pools.fast.lanes.ultrafast]   # lane settings of this pool's replicas
+    target_tokens_per_s = "auto"
+
+Each pool is one Ray Serve deployment; a replica is one `LLMEngine`. A pool's replicas serve
+the tiers it lists (its other lanes stay idle); the ingress sends each request to a pool of
+its tier in a region its key allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from expresslane.config import EngineConfig
+from expresslane.lanes import LANE_NAMES, build_lanes
+from expresslane.server.preflight import check_types
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ClusterFileError(ValueError):
+    pass
+
+
+@dataclass
+class PoolSpec:
+    name: str
+    tiers: list[str]
+    region: str = "default"
+    replicas: int = 1
+    min_replicas: int | None = None  # both set: Ray Serve autoscales between them
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0  # autoscaling: requests per replica it aims at
+    max_ongoing_requests: int = 64  # Ray Serve sends a replica no more at once
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    engine: dict = field(default_factory=dict)  # EngineConfig fields
+    lanes: dict = field(default_factory=dict)  # [lanes.NAME] tables
+    # idle replicas take flex work too (preempted by the engine when their tiers' work comes)
+    spare_flex: bool = False
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None and self.max_replicas is not None
+
+    def engine_options(self) -> dict:
+        """EngineConfig options of a replica: its lanes are the pool's tiers (the default
+        lane always exists in an engine; a pool that does not serve it gets none of it)."""
+        lanes = {name: dict(values) for name, values in self.lanes.items()}
+        for name in LANE_NAMES:
+            if name != "default":
+                served = name in self.tiers or (name == "flex" and self.spare_flex)
+                lanes.setdefault(name, {}).setdefault("enabled", served)
+        return {**self.engine, "lanes": lanes}
+
+
+@dataclass
+class IngressSpec:
+    replicas: int = 1
+    num_cpus: float = 0.5
+    host: str = "127.0.0.1"
+    port: int = 8000
+    imbalance: int = 4  # requests of load a replica may carry beyond the least loaded one
+    # and still win its cached prefix (fleet/router.py)
+
+
+@dataclass
+class ClusterSpec:
+    pools: dict[str, PoolSpec]
+    model: str | None = None
+    ingress: IngressSpec = field(default_factory=IngressSpec)
+    server: dict = field(default_factory=dict)  # [server] table (ServerSettings)
+    lanes: dict = field(default_factory=dict)  # [lanes.*]: prices and limits at the ingress
+
+    def pools_for(self, tier: str, spare: bool = False) -> list[PoolSpec]:
+        """The pools serving the tier; with `spare`, also those lending idle replicas to it."""
+        return [
+            p
+            for p in self.pools.values()
+            if tier in p.tiers or (spare and tier == "flex" and p.spare_flex)
+        ]
+
+    @property
+    def tiers(self) -> list[str]:
+        return [t for t in LANE_NAMES if self.pools_for(t, spare=True)]
+
+    @property
+    def regions(self) -> list[str]:
+        return sorted({p.region for p in self.pools.values()})
+
+
+def _build(cls, table: dict, where: str, **extra):
+    known = {f.name for f in fields(cls)} - set(extra)
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ClusterFileError(f"unknown setting(s) {unknown} in {where}; known: {sorted(known)}")
+    try:
+        check_types(cls, table, where.strip("[]"))
+    except ValueError as e:
+        raise ClusterFileError(str(e)) from None
+    return cls(**table, **extra)
+
+
+def _pool(name: str, table: dict) -> PoolSpec:
+    pool = _build(PoolSpec, dict(table), f"[pools.{name}]", name=name)
+    bad = [t for t in pool.tiers if t not in LANE_NAMES]
+    if not pool.tiers or bad:
+        raise ClusterFileError(f"[pools.{name}] tiers must name some of {list(LANE_NAMES)}")
+    if (pool.min_replicas is None) != (pool.max_replicas is None):
+        raise ClusterFileError(f"[pools.{name}] set both min_replicas and max_replicas")
+    if pool.autoscaling and not 0 <= pool.min_replicas <= pool.max_replicas:
+        raise ClusterFileError(f"[pools.{name}] needs 0 <= min_replicas <= max_replicas")
+    if pool.replicas < 1:
+        raise ClusterFileError(f"[pools.{name}] replicas must be at least 1")
+    try:
+        options = pool.engine_options()
+        check_types(EngineConfig, pool.engine, f"pools.{name}.engine")
+        EngineConfig.from_options(None, {k: v for k, v in options.items() if k != "model"})
+        build_lanes(options["lanes"])
+    except ValueError as e:
+        raise ClusterFileError(f"[pools.{name}] {e}") from None
+    return pool
+
+
+def parse_cluster(data: dict, where: str = "cluster file") -> ClusterSpec:
+    known = {"model", "ingress", "server", "pools", "lanes"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ClusterFileError(f"unknown table(s) {unknown} in {where}; known: {sorted(known)}")
+    pools = {name: _pool(name, table) for name, table in data.get("pools", {}).items()}
+    if not pools:
+        raise ClusterFileError(f"{where} declares no [pools.NAME]")
+    spec = ClusterSpec(
+        pools=pools,
+        model=data.get("model", {}).get("path"),
+        ingress=_build(IngressSpec, dict(data.get("ingress", {})), "[ingress]"),
+        server=dict(data.get("server", {})),
+        lanes=dict(data.get("lanes", {})),
+    )
+    if "default" not in spec.tiers:
+        raise ClusterFileError(f"{where}: no pool serves the default tier")
+    return spec
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterFileError(f"{path} is not valid TOML: {e}") from None
+    return parse_cluster(data, path)

@@ -1,0 +1,290 @@
+"""`FleetEngine`: the `ServingEngine` a fleet's ingress gives the server, in front of pools.
+
+The server code is the same as in one process (keys, rate limits, metering, the response
+store, every endpoint); only the engine differs. `make_request` validates and tokenizes here
+(`RequestFactory`, no weights needed). `enqueue` picks a pool of the request's tier in a region
+its key allows (the one with the fewest requests in flight per replica), and Ray Serve's router
+for that pool (fleet/router.py) picks the replica. A replica that fails before the request
+produced a token is replaced by another replica of the pool (up to `ATTEMPTS` tries); a stream
+that had started ends with an error output, and is billed for what it delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from expresslane.engine.output import RequestOutput
+from expresslane.engine.request import Request
+from expresslane.engine.request_factory import RequestFactory
+from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.errors import ExpresslaneError
+from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
+from expresslane.fleet.router import prefix_hashes
+from expresslane.lanes import LANE_NAMES, build_lanes
+from expresslane.models.config import ModelConfig
+from expresslane.server.errors import APIError
+
+log = logging.getLogger("expresslane.fleet")
+ATTEMPTS = 3
+# The routes of the HTTP request being handled: a list the ingress middleware puts here
+# (fleet/ingress.py) and reads back for the x-expresslane-pool/-replica headers.
+current_routes: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "expresslane_routes", default=None
+)
+
+
+class Route:
+    """Where a request runs; `known` is set once a replica took it."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        self.replica: str | None = None
+        self.known = asyncio.Event()
+
+
+class FleetStream:
+    def __init__(self, engine: FleetEngine, req: Request, pool: PoolSpec, call: dict):
+        self.request = req
+        self.request_id = req.request_id
+        self.route = Route(pool.name)
+        self.finished = False
+        self._engine, self._pool, self._call = engine, pool, call
+        self._gen = None
+        self.aborted = False
+
+    def start(self) -> None:
+        """Ask the pool now (on the running event loop), not when the consumer first reads:
+        the response headers wait for the route, and a stream's body is read after them."""
+        self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pump = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for out in self._attempts():
+                self._outputs.put_nowait(out)
+                if out.finished:
+                    return
+        finally:
+            self.route.known.set()
+            self._engine.done(self)
+
+    def cancel(self) -> None:
+        self.aborted = True
+        if self._gen is not None:
+            self._gen.cancel()
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        try:
+            while not self.finished:
+                out = await self._outputs.get()
+                self.finished = out.finished
+                yield out
+        finally:
+            if not self.finished:
+                self.cancel()  # the consumer left: Ray cancels the replica's stream
+
+    async def _attempts(self):
+        for attempt in range(ATTEMPTS):
+            tokens = 0
+            try:
+                async for item in self._one_attempt():
+                    tokens += len(item.new_token_ids)
+                    yield item
+                return
+            except Exception as e:  # the replica died or could not be reached, or aborted
+                if self.aborted:
+                    yield self._failed(None, "abort")
+                    return
+                if tokens or attempt == ATTEMPTS - 1:
+                    yield self._failed(f"replica failed: {type(e).__name__}")
+                    return
+                log.warning("%s: retrying on another replica (%s)", self.request_id, e)
+
+    async def _one_attempt(self):
+        if self.aborted:
+            raise asyncio.CancelledError
+        handle = self._engine.handles[self._pool.name]
+        self._gen = handle.options(stream=True).generate.remote(self._call)
+        async for item in self._gen:
+            if isinstance(item, dict):
+                self.route.replica = item["replica"]
+                self.route.known.set()
+                self._engine.routed(self)
+            elif isinstance(item, ExpresslaneError):
+                yield self._failed(str(item))
+                return
+            else:
+                yield item
+
+    def _failed(self, error: str | None, reason: str = "error") -> RequestOutput:
+        req = self.request
+        req.metrics = replace(req.metrics, finished=time.perf_counter())
+        return RequestOutput(
+            req.request_id,
+            [],
+            "",
+            True,
+            reason,
+            req.num_prompt_tokens,
+            0,
+            0,
+            req.metrics,
+            error=error,
+        )
+
+
+class FleetEngine:
+    def __init__(self, spec: ClusterSpec, handles: dict, model_dir, block_size: int = 16):
+        self.spec = spec
+        self.handles = handles  # pool name -> Ray Serve DeploymentHandle
+        self.block_size = block_size
+        model_dir = Path(model_dir)
+        mcfg = ModelConfig.from_dir(model_dir)
+        self._lanes = build_lanes(_ingress_lanes(spec))
+        max_len = min(
+            p.engine.get("max_model_len") or min(mcfg.max_position_embeddings, 8192)
+            for p in spec.pools.values()
+        )
+        self.factory = RequestFactory(model_dir, mcfg, self._lanes, max_len)
+        self.ready = threading.Event()
+        self.ready.set()
+        self._streams: dict[str, FleetStream] = {}
+        self._pool_load: dict[str, int] = dict.fromkeys(spec.pools, 0)
+        self._lane_load: dict[str, int] = {}
+        self._routed: dict[tuple[str, str, str], int] = {}  # (pool, replica, tier) -> requests
+        self._replica_load: dict[tuple[str, str], int] = {}  # (pool, replica) -> in flight
+
+    # -- what the server reads ---------------------------------------------------------------
+    tokenizer = property(lambda self: self.factory.tokenizer)
+    model_path = property(lambda self: self.spec.model)
+    lanes = property(lambda self: self._lanes)
+    max_model_len = property(lambda self: self.factory.max_model_len)
+    vocab_size = property(lambda self: self.factory.vocab_size)
+
+    def grammar_literal(self, text: str) -> str:
+        return self.factory.grammars.literal(text)
+
+    def is_alive(self) -> bool:
+        return True
+
+    def lane_load(self, lane: str) -> int:
+        return self._lane_load.get(lane, 0)
+
+    def snapshot(self) -> EngineSnapshot:
+        """What this ingress has in flight (the replicas' own queues are theirs)."""
+        return EngineSnapshot(running=dict(self._lane_load), routed=dict(self._routed))
+
+    def in_flight(self, pool: str) -> dict[str, int]:
+        """This ingress's requests running on each replica of the pool."""
+        return {r: n for (p, r), n in self._replica_load.items() if p == pool and n > 0}
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for stream in list(self._streams.values()):
+            stream.cancel()
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(self, *args, **kwargs) -> Request:
+        return self.factory.make(*args, **kwargs)
+
+    def pools_for(self, tier: str, regions: list[str] | None) -> list[PoolSpec]:
+        """The pools a request of the tier may go to, best first: for flex, pools lending
+        idle replicas (nothing of this ingress in flight there) before flex's own pools."""
+        pools = [
+            p
+            for p in self.spec.pools_for(tier, spare=True)
+            if regions is None or p.region in regions
+        ]
+
+        def rank(p: PoolSpec) -> tuple:
+            lent = tier not in p.tiers
+            busy = lent and self._pool_load[p.name] > 0
+            load = self._pool_load[p.name] / max(1, p.max_replicas or p.replicas)
+            return (busy, not lent, load)
+
+        return sorted(pools, key=rank)
+
+    def check_placement(self, tier: str, regions: list[str] | None) -> None:
+        """403 when no pool of the tier is in a region the key may use."""
+        if not self.pools_for(tier, regions):
+            raise APIError(
+                403,
+                f"No pool serves the {tier!r} tier in the regions this key may use "
+                f"({', '.join(regions or [])}); pools of that tier are in "
+                f"{sorted({p.region for p in self.spec.pools_for(tier, spare=True)})}.",
+                param="service_tier",
+                code="region_not_allowed",
+            )
+
+    def enqueue(self, req: Request, regions: list[str] | None = None) -> FleetStream:
+        self.check_placement(req.lane, regions)
+        pool = self.pools_for(req.lane, regions)[0]
+        prompt = req.token_ids[: req.num_prompt_tokens]
+        call = {
+            "prompt_token_ids": prompt,
+            "params": req.params,
+            "request_id": req.request_id,
+            "lane": req.lane,
+            "cache_salt": req.cache_salt,
+            "prefix_hashes": prefix_hashes(prompt, self.block_size),
+        }
+        stream = FleetStream(self, req, pool, call)
+        routes = current_routes.get()
+        if routes is not None:
+            routes.append(stream.route)
+        self._streams[req.request_id] = stream
+        self._pool_load[pool.name] += 1
+        self._lane_load[req.lane] = self._lane_load.get(req.lane, 0) + 1
+        stream.start()
+        return stream
+
+    def routed(self, stream: FleetStream) -> None:
+        key = (stream.route.pool, stream.route.replica or "", stream.request.lane)
+        self._routed[key] = self._routed.get(key, 0) + 1
+        where = (stream.route.pool, stream.route.replica or "")
+        self._replica_load[where] = self._replica_load.get(where, 0) + 1
+
+    def done(self, stream: FleetStream) -> None:
+        where = (stream.route.pool, stream.route.replica or "")
+        if where in self._replica_load:
+            self._replica_load[where] -= 1
+        if self._streams.pop(stream.request_id, None) is not None:
+            self._pool_load[stream.route.pool] -= 1
+            self._lane_load[stream.request.lane] -= 1
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
+
+    def route_of(self, request_id: str) -> Route | None:
+        stream = self._streams.get(request_id)
+        return stream.route if stream is not None else None
+
+
+def _ingress_lanes(spec: ClusterSpec) -> dict:
+    """The lanes the ingress admits: the cluster's [lanes] settings, tiers no pool serves off,
+    and each served lane's max_batch the batch room of all its pools' replicas (the key's
+    `when_unavailable` policy applies beyond it)."""
+    lanes = {name: dict(values) for name, values in spec.lanes.items()}
+    for name in LANE_NAMES:
+        room = sum(_batch_room(p, name) for p in spec.pools_for(name, spare=True))
+        if name != "default":
+            lanes.setdefault(name, {})["enabled"] = room > 0
+        if room:
+            lanes.setdefault(name, {}).setdefault("max_batch", room)
+    return lanes
+
+
+def _batch_room(pool: PoolSpec, tier: str) -> int:
+    lane = build_lanes(pool.engine_options()["lanes"])[tier]
+    per_replica = min(lane.max_batch, pool.engine.get("max_batch", 64))
+    return per_replica * (pool.max_replicas or pool.replicas)

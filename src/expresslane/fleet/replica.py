@@ -1,0 +1,91 @@
+"""`EngineReplica`: one replica of a pool, an `LLMEngine` in a Ray Serve deployment.
+
+The ingress validated and tokenized the request (`RequestFactory`); the replica makes it again
+from the token ids (grammar matchers and detokenizers do not travel) and streams its outputs.
+The first item of every stream names the pool and replica, so the ingress can put them in the
+response headers before any token exists. A stream the ingress drops (client gone) is
+cancelled by Ray, and the request's stream aborts it in the engine (async_engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.errors import ExpresslaneError
+
+
+def replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (direct use in tests)
+        return f"local-{os.getpid()}"
+
+
+class EngineReplica:
+    def __init__(self, pool: str, model: str | None, options: dict, threads: int = 1):
+        import torch
+
+        from expresslane.config import EngineConfig
+        from expresslane.engine.async_engine import AsyncEngine
+        from expresslane.engine.engine import LLMEngine
+
+        torch.set_num_threads(max(1, threads))
+        self.pool = pool
+        self.replica = replica_id()
+        self.engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, dict(options))))
+        while not self.engine.ready.wait(1.0):
+            if not self.engine.is_alive():
+                raise RuntimeError("the engine stopped while starting")
+        self.draining = False
+
+    async def generate(self, call: dict) -> AsyncIterator[object]:
+        """{"pool", "replica"} first, then the request's `RequestOutput`s."""
+        yield {"pool": self.pool, "replica": self.replica}
+        try:
+            req = self.engine.make_request(
+                call["prompt_token_ids"],
+                call["params"],
+                call["request_id"],
+                call["lane"],
+                cache_salt=call["cache_salt"],
+            )
+        except ExpresslaneError as e:
+            yield e
+            return
+        async for out in self.engine.enqueue(req):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def snapshot(self) -> tuple[str, str, EngineSnapshot]:
+        return self.pool, self.replica, self.engine.snapshot()
+
+    def record_routing_stats(self) -> dict:
+        """What the router may weigh beside queue lengths (fleet/router.py)."""
+        snap = self.engine.snapshot()
+        return {
+            "running": sum(snap.running.values()),
+            "waiting": sum(snap.waiting.values()),
+            "kv_used_blocks": snap.kv_used_blocks,
+        }
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose health check raises."""
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine's step loop stopped")
+
+    async def __del__(self):
+        """Ray Serve calls this when it stops the replica (after in-flight requests got
+        `graceful_shutdown_timeout_s` to finish)."""
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+def replica_deployment():
+    """The deployment class (made on first use, so importing this module needs no Ray)."""
+    return serve.deployment(EngineReplica)

@@ -1,0 +1,40 @@
+"""`GET /fleet/status` on the ingress, and its rendering by `expresslane cluster status`: each
+pool's tiers, region and replicas (Ray Serve's view of them), and the requests this ingress
+replica has running on each."""
+
+from __future__ import annotations
+
+from ray import serve
+
+from expresslane.fleet.names import APP_NAME, pool_deployment_name
+from expresslane.fleet.remote_engine import FleetEngine
+
+
+def fleet_status(engine: FleetEngine) -> dict:
+    deployments = serve.status().applications[APP_NAME].deployments
+    pools = []
+    for pool in engine.spec.pools.values():
+        d = deployments.get(pool_deployment_name(pool.name))
+        pools.append(
+            {
+                "name": pool.name,
+                "tiers": pool.tiers,
+                "region": pool.region,
+                "status": getattr(d.status, "value", str(d.status)) if d else "missing",
+                "replica_states": {str(k): v for k, v in d.replica_states.items()} if d else {},
+                "in_flight": engine.in_flight(pool.name),
+            }
+        )
+    return {"pools": pools, "regions": engine.spec.regions}
+
+
+def render(status: dict) -> str:
+    lines = [f"{'pool':<14}{'tiers':<24}{'region':<10}{'status':<12}replicas  in flight"]
+    for p in status["pools"]:
+        states = ", ".join(f"{n} {s.lower()}" for s, n in p["replica_states"].items()) or "-"
+        load = ", ".join(f"{r}: {n}" for r, n in p["in_flight"].items()) or "0"
+        tiers = ",".join(p["tiers"])
+        lines.append(
+            f"{p['name']:<14}{tiers:<24}{p['region']:<10}{p['status']:<12}{states}  {load}"
+        )
+    return "\n".join(lines)

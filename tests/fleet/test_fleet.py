@@ -1,0 +1,247 @@
+"""The fleet on a real local Ray cluster: an ultrafast pool in one region, a default pool of two
+replicas in another, one ingress in front; the official openai SDK as the client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from expresslane.fleet.cluster_file import parse_cluster  # noqa: E402
+from expresslane.fleet.deploy import deploy  # noqa: E402
+from expresslane.fleet.names import APP_NAME, pool_deployment_name  # noqa: E402
+from expresslane.server.database import connect  # noqa: E402
+from expresslane.server.keys import KeyStore, Plan  # noqa: E402
+
+ENGINE = {"calibrate": False, "num_kv_blocks": 256, "seed": 0}
+PROMPT = (
+    "Read the file `Lib/asyncio/events.py` and tell me which functions it defines, then run "
+    "the tests of `Lib/asyncio/events.py` and say which fail."
+)
+
+
+def cluster(port: int, accounts: str, std_replicas: int = 2):
+    return parse_cluster(
+        {
+            "ingress": {"port": port, "num_cpus": 0.2},
+            "server": {"store_path": accounts + ".responses", "accounts_path": accounts},
+            "pools": {
+                "fast": {
+                    "tiers": ["ultrafast"],
+                    "region": "eu",
+                    "num_cpus": 0.5,
+                    "spare_flex": True,
+                    "engine": {**ENGINE, "max_batch": 4},
+                },
+                "std": {
+                    "tiers": ["default", "flex"],
+                    "region": "us",
+                    "replicas": std_replicas,
+                    "num_cpus": 0.5,
+                    "engine": ENGINE,
+                },
+            },
+        }
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    accounts = str(tmp_path_factory.mktemp("fleet") / "accounts.sqlite")
+    store = KeyStore(connect(accounts))
+    tiers = ["ultrafast", "default", "flex"]
+    secrets = {
+        name: store.create(name, Plan(tiers=tiers, regions=regions))[1]
+        for name, regions in (("any", None), ("eu", ["eu"]), ("us", ["us"]))
+    }
+    port = free_port()
+    url = deploy(cluster(port, accounts), num_cpus=4)
+    try:
+        yield {"url": url, "keys": secrets, "port": port, "accounts": accounts}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def client(fleet, key: str = "any") -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=fleet["url"] + "/v1", api_key=fleet["keys"][key], max_retries=0, timeout=120
+    )
+
+
+def chat(c: openai.OpenAI, tier: str, **kwargs):
+    return c.chat.completions.with_raw_response.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        service_tier=tier,
+        **kwargs,
+    )
+
+
+def test_tiers_land_on_their_pools(fleet):
+    c = client(fleet)
+    # flex first goes to the ultrafast pool's idle replica
+    for tier, pool in (("default", "std"), ("ultrafast", "fast"), ("flex", "fast")):
+        r = chat(c, tier)
+        assert r.headers["x-expresslane-pool"] == pool
+        assert r.headers["x-expresslane-replica"]
+        assert r.parse().service_tier == tier
+        assert r.parse().usage.completion_tokens > 0
+
+
+def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
+    c = client(fleet)
+    with c.chat.completions.with_streaming_response.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=1500,  # sampled, so guesses rarely land: still running when flex comes
+        temperature=1.0,
+        stream=True,
+        service_tier="ultrafast",
+        extra_body={"ignore_eos": True},
+    ) as running:
+        assert running.headers["x-expresslane-pool"] == "fast"
+        lines = running.iter_lines()  # kept: dropping it would close the stream
+        next(lines)
+        _wait(lambda: _status(fleet)["fast"]["in_flight"], 30)  # a replica is on it
+        assert chat(c, "flex").headers["x-expresslane-pool"] == "std"
+    _wait(lambda: not _status(fleet)["fast"]["in_flight"], 30)  # the stream's abort landed
+    assert chat(c, "flex").headers["x-expresslane-pool"] == "fast"
+
+
+def _status(fleet) -> dict:
+    pools = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()["pools"]
+    return {p["name"]: p for p in pools}
+
+
+def test_a_key_limited_to_a_region_never_leaves_it(fleet):
+    eu, us = client(fleet, "eu"), client(fleet, "us")
+    assert chat(eu, "ultrafast").headers["x-expresslane-pool"] == "fast"
+    assert chat(us, "default").headers["x-expresslane-pool"] == "std"
+    for c, tier in ((eu, "default"), (us, "ultrafast")):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            chat(c, tier)
+        assert e.value.code == "region_not_allowed"
+
+
+def test_a_previous_response_chain_returns_to_its_replica(fleet):
+    c = client(fleet)
+    homes = set()
+    for i in range(4):
+        first = c.responses.with_raw_response.create(
+            model="expresslane-demo",
+            input=f"Task {i}. {PROMPT}",
+            max_output_tokens=8,
+            temperature=0,
+        )
+        home = first.headers["x-expresslane-replica"]
+        homes.add(home)
+        then = c.responses.with_raw_response.create(
+            model="expresslane-demo",
+            input="Now list `Lib/asyncio`.",
+            previous_response_id=first.parse().id,
+            max_output_tokens=8,
+            temperature=0,
+        )
+        assert then.headers["x-expresslane-replica"] == home
+        assert then.parse().usage.input_tokens_details.cached_tokens > 0
+
+
+def test_streams_metrics_and_status(fleet):
+    c = client(fleet)
+    with c.chat.completions.with_streaming_response.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        stream=True,
+        service_tier="ultrafast",
+    ) as r:
+        assert r.headers["x-expresslane-pool"] == "fast"
+        assert "[DONE]" in r.read().decode()
+    metrics = httpx.get(fleet["url"] + "/metrics", timeout=30).text
+    assert 'pool="fast"' in metrics and 'pool="std"' in metrics
+    out = subprocess.run(
+        [sys.executable, "-m", "expresslane.cli", "cluster", "status", "--url", fleet["url"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "fast" in out.stdout and "std" in out.stdout and "eu" in out.stdout
+
+
+def _replicas(pool: str) -> list[str]:
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{pool_deployment_name(pool)}#"
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in names if a["name"].startswith(prefix)]
+
+
+def _running(pool: str) -> int:
+    d = serve.status().applications[APP_NAME].deployments[pool_deployment_name(pool)]
+    return d.replica_states.get("RUNNING", 0)
+
+
+def _wait(condition, seconds: float = 180.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(1.0)
+
+
+def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
+    c = client(fleet)
+    victim = _replicas("std")[0]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for _ in range(6):
+        r = chat(c, "default")
+        assert r.headers["x-expresslane-pool"] == "std"
+    _wait(lambda: victim not in _replicas("std") and _running("std") == 2)
+    assert chat(c, "default").parse().usage.completion_tokens > 0
+
+
+def test_scale_down_drains_without_errors(fleet):
+    c = client(fleet)
+    results, errors = [], []
+
+    def stream():
+        try:
+            s = c.chat.completions.create(
+                model="expresslane-demo",
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=48,
+                stream=True,
+                service_tier="default",
+                extra_body={"ignore_eos": True},
+            )
+            results.append([ch.choices[0].finish_reason for ch in s if ch.choices][-1])
+        except Exception as e:  # noqa: BLE001  (any failure is what this test looks for)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=stream) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    deploy(cluster(fleet["port"], fleet["accounts"], std_replicas=1))
+    for t in threads:
+        t.join(300)
+    assert errors == [] and results == ["length"] * 6
+    _wait(lambda: _running("std") == 1 and len(_replicas("std")) == 1)
