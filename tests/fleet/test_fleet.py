@@ -3,6 +3,7 @@ replicas in another, one ingress in front; the official openai SDK as the client
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -22,6 +23,10 @@ from expresslane.fleet.deploy import deploy  # noqa: E402
 from expresslane.fleet.names import APP_NAME, pool_deployment_name  # noqa: E402
 from expresslane.server.database import connect  # noqa: E402
 from expresslane.server.keys import KeyStore, Plan  # noqa: E402
+from expresslane.server.metering import Ledger  # noqa: E402
+from tests.postgres import new_database  # noqa: E402
+
+RPM = 6
 
 ENGINE = {"calibrate": False, "num_kv_blocks": 256, "seed": 0}
 PROMPT = (
@@ -30,11 +35,11 @@ PROMPT = (
 )
 
 
-def cluster(port: int, accounts: str, std_replicas: int = 2):
+def cluster(port: int, database: str, std_replicas: int = 2):
     return parse_cluster(
         {
-            "ingress": {"port": port, "num_cpus": 0.2},
-            "server": {"store_path": accounts + ".responses", "accounts_path": accounts},
+            "ingress": {"port": port, "num_cpus": 0.2, "replicas": 2},
+            "server": {"database": database},
             "pools": {
                 "fast": {
                     "tiers": ["ultrafast"],
@@ -62,18 +67,26 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    accounts = str(tmp_path_factory.mktemp("fleet") / "accounts.sqlite")
-    store = KeyStore(connect(accounts))
+def fleet(postgres_url):
+    """The fleet, its two ingress replicas sharing one PostgreSQL database."""
+    database = new_database(postgres_url)
+    store = KeyStore(connect(database))
     tiers = ["ultrafast", "default", "flex"]
-    secrets = {
-        name: store.create(name, Plan(tiers=tiers, regions=regions))[1]
-        for name, regions in (("any", None), ("eu", ["eu"]), ("us", ["us"]))
+    made = {
+        name: store.create(name, Plan(tiers=tiers, regions=regions, limits=limits))
+        for name, regions, limits in (
+            ("any", None, {}),
+            ("eu", ["eu"], {}),
+            ("us", ["us"], {}),
+            ("slow", None, {"default": {"rpm": RPM}}),
+        )
     }
+    secrets = {name: secret for name, (_, secret) in made.items()}
+    ids = {name: key.id for name, (key, _) in made.items()}
     port = free_port()
-    url = deploy(cluster(port, accounts), num_cpus=4)
+    url = deploy(cluster(port, database), num_cpus=4)
     try:
-        yield {"url": url, "keys": secrets, "port": port, "accounts": accounts}
+        yield {"url": url, "keys": secrets, "ids": ids, "port": port, "database": database}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -121,10 +134,10 @@ def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
         assert running.headers["x-expresslane-pool"] == "fast"
         lines = running.iter_lines()  # kept: dropping it would close the stream
         next(lines)
-        _wait(lambda: _status(fleet)["fast"]["in_flight"], 30)  # a replica is on it
+        # whichever ingress replica takes it, the busy ultrafast replica turns flex away
         assert chat(c, "flex").headers["x-expresslane-pool"] == "std"
-    _wait(lambda: not _status(fleet)["fast"]["in_flight"], 30)  # the stream's abort landed
-    assert chat(c, "flex").headers["x-expresslane-pool"] == "fast"
+    # once the stream's abort landed, the idle ultrafast replica takes flex again
+    _wait(lambda: chat(c, "flex").headers["x-expresslane-pool"] == "fast", 30)
 
 
 def _status(fleet) -> dict:
@@ -140,6 +153,27 @@ def test_a_key_limited_to_a_region_never_leaves_it(fleet):
         with pytest.raises(openai.PermissionDeniedError) as e:
             chat(c, tier)
         assert e.value.code == "region_not_allowed"
+
+
+def test_two_ingress_replicas_share_limits_and_ledger(fleet):
+    c = client(fleet, "slow")
+    ok, limited, ingresses, usage = 0, 0, set(), 0
+    for _ in range(3 * RPM):
+        try:
+            r = chat(c, "default")
+        except openai.RateLimitError as e:
+            limited += 1
+            ingresses.add(e.response.headers["x-expresslane-ingress"])
+            continue
+        ok += 1
+        ingresses.add(r.headers["x-expresslane-ingress"])
+        usage += r.parse().usage.total_tokens
+    assert len(ingresses) == 2  # both ingress replicas answered
+    assert RPM <= ok <= RPM + 1 and limited == 3 * RPM - ok  # one bucket, within a refill
+    rows = [
+        u for u in Ledger(connect(fleet["database"])).usage() if u["key_id"] == fleet["ids"]["slow"]
+    ]
+    assert sum(u["input_tokens"] + u["output_tokens"] for u in rows) == usage
 
 
 def test_a_previous_response_chain_returns_to_its_replica(fleet):
@@ -209,13 +243,29 @@ def _wait(condition, seconds: float = 180.0) -> None:
 
 def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
     c = client(fleet)
-    victim = _replicas("std")[0]
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    for _ in range(6):
+    with c.chat.completions.with_streaming_response.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=1500,
+        temperature=1.0,
+        stream=True,
+        service_tier="default",
+        extra_body={"ignore_eos": True},
+    ) as running:
+        lines = running.iter_lines()
+        completion_id = json.loads(next(lines).removeprefix("data: "))["id"]
+        home = running.headers["x-expresslane-replica"]
+        victim = next(name for name in _replicas("std") if name.endswith("#" + home))
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        rest = "\n".join(lines)
+    assert "the replica serving this request failed" in rest  # the started stream says so
+    for _ in range(6):  # the pool answers meanwhile (requests routed to the dead one retry)
         r = chat(c, "default")
         assert r.headers["x-expresslane-pool"] == "std"
     _wait(lambda: victim not in _replicas("std") and _running("std") == 2)
     assert chat(c, "default").parse().usage.completion_tokens > 0
+    ledger = Ledger(connect(fleet["database"])).rows()
+    assert len([r for r in ledger if r["request_id"].startswith(completion_id)]) == 1  # once
 
 
 def test_scale_down_drains_without_errors(fleet):
@@ -240,8 +290,23 @@ def test_scale_down_drains_without_errors(fleet):
     for t in threads:
         t.start()
     time.sleep(1.0)
-    deploy(cluster(fleet["port"], fleet["accounts"], std_replicas=1))
+    deploy(cluster(fleet["port"], fleet["database"], std_replicas=1))
     for t in threads:
         t.join(300)
     assert errors == [] and results == ["length"] * 6
     _wait(lambda: _running("std") == 1 and len(_replicas("std")) == 1)
+
+
+def test_bench_reports_pools(fleet, tmp_path):
+    from expresslane.cli import main
+
+    for tier, pool in (("ultrafast", "fast"), ("default", "std")):
+        out = tmp_path / tier
+        args = ["bench", "--base-url", fleet["url"], "--api-key", fleet["keys"]["any"]]
+        args += ["--tier", tier, "--requests", "3", "--concurrency", "1", "--out", str(out)]
+        args += ["--input-tokens", "12", "--output-tokens", "4", "--quiet", "--seed", "7"]
+        assert main(args) == 0
+        summary = json.loads((out / "results.json").read_text())["runs"][0]["summary"]
+        assert list(summary["pools"]) == [f"{pool}/{tier}"]
+        assert summary["pools"][f"{pool}/{tier}"]["requests"] == 3
+        assert f"{pool}/{tier}" in (out / "report.md").read_text()

@@ -53,6 +53,8 @@ async def _attempt(
         ) as resp:
             rec.headers = clock()
             rec.status = resp.status_code
+            rec.pool = resp.headers.get("x-expresslane-pool")
+            rec.replica = resp.headers.get("x-expresslane-replica")
             if resp.status_code != 200:
                 raw = await resp.aread()
                 try:

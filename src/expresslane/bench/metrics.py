@@ -155,15 +155,8 @@ def summarize(
     in_tokens = sum(r.input_tokens or 0 for r in ok)
     good = sum(meets_slo(r, slo) for r in records) if slo else None
     errors = Counter(r.error for r in records if not r.ok)
-    tiers: dict[str, Any] = {}
-    for tier in sorted({r.served_tier for r in ok if r.served_tier}):
-        mine = [r for r in ok if r.served_tier == tier]
-        tiers[tier] = {
-            "requests": len(mine),
-            "ttft": stats(ttft(r) for r in mine),
-            "e2e": stats(e2e(r) for r in mine),
-            "per_request_tokens_per_s": stats(tokens_per_s(r) for r in mine),
-        }
+    tiers = _groups(ok, lambda r: r.served_tier)
+    pools = _groups(ok, lambda r: r.pool and f"{r.pool}/{r.served_tier or '?'}")
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -182,4 +175,19 @@ def summarize(
         "slo_attainment": None if good is None or not records else good / len(records),
         **latency_stats(ok),
         "tiers": tiers,
+        "pools": pools,  # a fleet's pool/tier pairs, from the response headers
     }
+
+
+def _groups(ok: list[RequestRecord], key) -> dict[str, Any]:
+    """Latency and speed of the records grouped by `key(record)` (None: left out)."""
+    out: dict[str, Any] = {}
+    for name in sorted({key(r) for r in ok if key(r)}):
+        mine = [r for r in ok if key(r) == name]
+        out[name] = {
+            "requests": len(mine),
+            "ttft": stats(ttft(r) for r in mine),
+            "e2e": stats(e2e(r) for r in mine),
+            "per_request_tokens_per_s": stats(tokens_per_s(r) for r in mine),
+        }
+    return out

@@ -33,6 +33,8 @@ class RequestRecord:
     response_format: str | None = None  # the output format asked for: json_object, json_schema
     tool_choice: str | None = None  # auto, required or named (None: not sent)
     output_check: str | None = None  # what `checks.py` found in the output (None: not checked)
+    pool: str | None = None  # a fleet's x-expresslane-pool header (None: not a fleet)
+    replica: str | None = None  # and its x-expresslane-replica
 
     @property
     def ok(self) -> bool:

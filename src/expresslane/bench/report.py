@@ -19,6 +19,8 @@
                                {"count", "mean", "min", "p50", "p90", "p99", "max"},
                            "tiers": {TIER: {"requests", "ttft", "e2e",
                                             "per_request_tokens_per_s"}},
+                           "pools": {POOL/TIER: same as tiers} (a fleet: from the
+                               x-expresslane-pool header),
                            "agent" (agent workload only): {"tasks", "verified", "accepted",
                                "acceptance_rate", "tasks_per_hour", "stops": {STOP: n},
                                "task_s", "queue_prompt_s", "generation_s", "tool_s",
@@ -173,17 +175,18 @@ def run_section(run: dict[str, Any]) -> list[str]:
             f"Goodput ({slo}): {fmt(s['goodput'], 2)} req/s, "
             f"SLO attainment {fmt(None if att is None else 100 * att, 1)}%.",
         ]
-    if s["tiers"]:
-        tier_rows = [
-            [
-                tier,
-                str(t["requests"]),
-                fmt(_ms(t["ttft"]["p50"])),
-                fmt(t["per_request_tokens_per_s"]["p50"]),
+    for group, title in (("tiers", "served tier"), ("pools", "fleet pool/tier")):
+        if s.get(group):
+            rows = [
+                [
+                    name,
+                    str(t["requests"]),
+                    fmt(_ms(t["ttft"]["p50"])),
+                    fmt(t["per_request_tokens_per_s"]["p50"]),
+                ]
+                for name, t in s[group].items()
             ]
-            for tier, t in s["tiers"].items()
-        ]
-        lines += [""] + _table(["served tier", "requests", "TTFT p50 ms", "tok/s p50"], tier_rows)
+            lines += [""] + _table([title, "requests", "TTFT p50 ms", "tok/s p50"], rows)
     if s.get("checks"):
         lines += [""] + check_lines(s["checks"])
     if s["error_messages"]:

@@ -56,6 +56,7 @@ class PoolSpec:
     lanes: dict = field(default_factory=dict)  # [lanes.NAME] tables
     # idle replicas take flex work too (preempted by the engine when their tiers' work comes)
     spare_flex: bool = False
+    cpu_affinity: list[int] | None = None  # pin replicas to these cores (one-machine fleets)
 
     @property
     def autoscaling(self) -> bool:

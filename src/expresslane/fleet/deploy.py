@@ -42,14 +42,24 @@ def _pool_app(spec: ClusterSpec, pool: PoolSpec):
         max_ongoing_requests=pool.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"imbalance": spec.ingress.imbalance},
+            request_router_kwargs={
+                "imbalance": spec.ingress.imbalance,
+                "index_name": f"expresslane-prefixes-{pool.name}",
+            },
         ),
         health_check_period_s=HEALTH_CHECK_SECONDS,
         graceful_shutdown_timeout_s=DRAIN_SECONDS,
         **scaling,
     )
     threads = max(1, round(pool.num_cpus))
-    return deployment.bind(pool.name, spec.model, pool.engine_options(), threads)
+    return deployment.bind(
+        pool=pool.name,
+        tiers=pool.tiers,
+        model=spec.model,
+        options=pool.engine_options(),
+        threads=threads,
+        cpu_affinity=pool.cpu_affinity,
+    )
 
 
 def build_application(spec: ClusterSpec, model_dir: str):

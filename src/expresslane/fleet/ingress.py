@@ -9,17 +9,20 @@ from ray import serve
 
 from expresslane.fleet.cluster_file import ClusterSpec
 from expresslane.fleet.remote_engine import FleetEngine, current_routes
+from expresslane.fleet.replica import replica_id
 
 ROUTE_WAIT_SECONDS = 60.0  # how long response headers wait for a replica to take the request
 
 
 class RouteHeaders:
-    """ASGI middleware: `x-expresslane-pool` and `x-expresslane-replica` on every HTTP
-    response that ran on the fleet. The headers leave when the first replica has taken the
-    request (a stream's first event may be ready before that)."""
+    """ASGI middleware: `x-expresslane-ingress` on every HTTP response, and
+    `x-expresslane-pool` and `x-expresslane-replica` on those that ran on the fleet. The
+    headers leave when the first replica has taken the request (a stream's first event may be
+    ready before that)."""
 
-    def __init__(self, app):
+    def __init__(self, app, ingress: str):
         self.app = app
+        self.ingress = (b"x-expresslane-ingress", ingress.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -28,6 +31,8 @@ class RouteHeaders:
         token = current_routes.set(routes)
 
         async def send_with_route(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.ingress]}
             if message["type"] == "http.response.start" and routes:
                 pending = [r.known.wait() for r in routes if not r.known.is_set()]
                 if pending:
@@ -62,4 +67,4 @@ class Ingress:
         settings = ServerSettings(**self.spec.server)
         app = create_app(self.engine, settings)
         app.add_api_route("/fleet/status", lambda: fleet_status(self.engine), methods=["GET"])
-        return RouteHeaders(app)
+        return RouteHeaders(app, replica_id())

@@ -39,6 +39,10 @@ current_routes: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+class _Busy(Exception):
+    """A replica lending idle capacity to flex has work of its own tiers."""
+
+
 class Route:
     """Where a request runs; `known` is set once a replica took it."""
 
@@ -49,12 +53,13 @@ class Route:
 
 
 class FleetStream:
-    def __init__(self, engine: FleetEngine, req: Request, pool: PoolSpec, call: dict):
+    def __init__(self, engine: FleetEngine, req: Request, pools: list[PoolSpec], call: dict):
         self.request = req
         self.request_id = req.request_id
-        self.route = Route(pool.name)
+        self.route = Route(pools[0].name)
         self.finished = False
-        self._engine, self._pool, self._call = engine, pool, call
+        self._engine, self._call = engine, call
+        self._pool, self._spares = pools[0], pools[1:]  # where to go if a lent pool is busy
         self._gen = None
         self.aborted = False
 
@@ -100,12 +105,20 @@ class FleetStream:
                     tokens += len(item.new_token_ids)
                     yield item
                 return
+            except _Busy:  # a pool lending idle replicas to flex is not idle: the next pool
+                self._engine.moved(self, self._spares[0])
+                self._pool, self._spares = self._spares[0], self._spares[1:]
+                self.route.pool = self._pool.name
             except Exception as e:  # the replica died or could not be reached, or aborted
                 if self.aborted:
                     yield self._failed(None, "abort")
                     return
                 if tokens or attempt == ATTEMPTS - 1:
-                    yield self._failed(f"replica failed: {type(e).__name__}")
+                    when = "after it had started answering" if tokens else f"{ATTEMPTS} times"
+                    yield self._failed(
+                        f"the replica serving this request failed ({type(e).__name__}) "
+                        f"{when}; retry the request"
+                    )
                     return
                 log.warning("%s: retrying on another replica (%s)", self.request_id, e)
 
@@ -113,9 +126,13 @@ class FleetStream:
         if self.aborted:
             raise asyncio.CancelledError
         handle = self._engine.handles[self._pool.name]
-        self._gen = handle.options(stream=True).generate.remote(self._call)
+        lent = self.request.lane not in self._pool.tiers and bool(self._spares)
+        self._gen = handle.options(stream=True).generate.remote({**self._call, "lent": lent})
         async for item in self._gen:
             if isinstance(item, dict):
+                if item.get("busy"):
+                    self._gen.cancel()
+                    raise _Busy
                 self.route.replica = item["replica"]
                 self.route.known.set()
                 self._engine.routed(self)
@@ -197,7 +214,8 @@ class FleetEngine:
 
     def pools_for(self, tier: str, regions: list[str] | None) -> list[PoolSpec]:
         """The pools a request of the tier may go to, best first: for flex, pools lending
-        idle replicas (nothing of this ingress in flight there) before flex's own pools."""
+        idle replicas before flex's own pools (a lending replica that has work of its own
+        tiers turns the request away, and it goes to the next pool)."""
         pools = [
             p
             for p in self.spec.pools_for(tier, spare=True)
@@ -226,7 +244,8 @@ class FleetEngine:
 
     def enqueue(self, req: Request, regions: list[str] | None = None) -> FleetStream:
         self.check_placement(req.lane, regions)
-        pool = self.pools_for(req.lane, regions)[0]
+        pools = self.pools_for(req.lane, regions)
+        pool = pools[0]
         prompt = req.token_ids[: req.num_prompt_tokens]
         call = {
             "prompt_token_ids": prompt,
@@ -236,7 +255,7 @@ class FleetEngine:
             "cache_salt": req.cache_salt,
             "prefix_hashes": prefix_hashes(prompt, self.block_size),
         }
-        stream = FleetStream(self, req, pool, call)
+        stream = FleetStream(self, req, pools, call)
         routes = current_routes.get()
         if routes is not None:
             routes.append(stream.route)
@@ -251,6 +270,10 @@ class FleetEngine:
         self._routed[key] = self._routed.get(key, 0) + 1
         where = (stream.route.pool, stream.route.replica or "")
         self._replica_load[where] = self._replica_load.get(where, 0) + 1
+
+    def moved(self, stream: FleetStream, pool: PoolSpec) -> None:
+        self._pool_load[stream.route.pool] -= 1
+        self._pool_load[pool.name] += 1
 
     def done(self, stream: FleetStream) -> None:
         where = (stream.route.pool, stream.route.replica or "")

@@ -27,15 +27,25 @@ def replica_id() -> str:
 
 
 class EngineReplica:
-    def __init__(self, pool: str, model: str | None, options: dict, threads: int = 1):
+    def __init__(
+        self,
+        pool: str,
+        tiers: list[str],
+        model: str | None,
+        options: dict,
+        threads: int = 1,
+        cpu_affinity: list[int] | None = None,
+    ):
         import torch
 
         from expresslane.config import EngineConfig
         from expresslane.engine.async_engine import AsyncEngine
         from expresslane.engine.engine import LLMEngine
 
+        if cpu_affinity:
+            os.sched_setaffinity(0, cpu_affinity)
         torch.set_num_threads(max(1, threads))
-        self.pool = pool
+        self.pool, self.tiers = pool, tiers
         self.replica = replica_id()
         self.engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, dict(options))))
         while not self.engine.ready.wait(1.0):
@@ -44,7 +54,11 @@ class EngineReplica:
         self.draining = False
 
     async def generate(self, call: dict) -> AsyncIterator[object]:
-        """{"pool", "replica"} first, then the request's `RequestOutput`s."""
+        """{"pool", "replica"} first, then the request's `RequestOutput`s; or only {"busy"}
+        for work this pool lends idle capacity to (`lent`) while it has its own tiers' work."""
+        if call.get("lent") and any(self.engine.lane_load(t) for t in self.tiers):
+            yield {"busy": True}
+            return
         yield {"pool": self.pool, "replica": self.replica}
         try:
             req = self.engine.make_request(
@@ -84,8 +98,3 @@ class EngineReplica:
         """Ray Serve calls this when it stops the replica (after in-flight requests got
         `graceful_shutdown_timeout_s` to finish)."""
         await asyncio.to_thread(self.engine.shutdown)
-
-
-def replica_deployment():
-    """The deployment class (made on first use, so importing this module needs no Ray)."""
-    return serve.deployment(EngineReplica)

@@ -1,14 +1,15 @@
 """`PrefixAffinityRouter`: Ray Serve's request router for a pool, by cached prefix and load.
 
 Each call carries `prefix_hashes`, the chained hashes of its prompt's full KV blocks
-(`prefix_hashes` below, the same blocks the engine's prefix cache keys on). The router
-remembers which replica it last sent each block to. A request goes to the replica holding the
+(`prefix_hashes` below, the same blocks the engine's prefix cache keys on). The routers
+of all ingress replicas share one record (`PrefixIndex`, a named Ray actor per pool) of the
+replica each block was last sent to. A request goes to the replica holding the
 longest run of its leading blocks, unless that replica carries more than `imbalance` requests
 beyond the least loaded one; then, and for prompts nothing matches, to the least loaded one.
 So a conversation continued with `previous_response_id` returns to the replica that has its
-earlier turns cached, and a hot prefix cannot pile every request onto one replica. The state
-is per ingress replica and approximate (as SGLang's cache-aware router): a wrong guess costs a
-prefill, never a wrong answer.
+earlier turns cached, and a hot prefix cannot pile every request onto one replica. The record
+is approximate (as SGLang's cache-aware router): a wrong guess costs a prefill, never a wrong
+answer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import random
 from collections import OrderedDict
 
+import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 MAX_BLOCKS = 200_000  # remembered block owners (LRU); ~40 bytes of hash each
@@ -34,21 +36,42 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
     return out
 
 
+@ray.remote(num_cpus=0)
+class PrefixIndex:
+    """Which replica each prompt block last went to, shared by every ingress replica's router
+    (one named actor per pool), so a conversation continued through another ingress replica
+    still finds its replica."""
+
+    def __init__(self):
+        self.owners: OrderedDict[str, str] = OrderedDict()
+
+    def owner_runs(self, hashes: list[str]) -> dict[str, int]:
+        """For each replica, how many of the leading blocks it holds in a row."""
+        runs: dict[str, int] = {}
+        first = self.owners.get(hashes[0]) if hashes else None
+        for h in hashes:
+            if first is None or self.owners.get(h) != first:
+                break
+            runs[first] = runs.get(first, 0) + 1
+        return runs
+
+    def record(self, hashes: list[str], replica: str) -> None:
+        for h in hashes:
+            self.owners[h] = replica
+            self.owners.move_to_end(h)
+        while len(self.owners) > MAX_BLOCKS:
+            self.owners.popitem(last=False)
+
+
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4):
+    def initialize_state(self, imbalance: int = 4, index_name: str = "expresslane-prefixes"):
         self._imbalance = imbalance
-        self._owners: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._index = PrefixIndex.options(
+            name=index_name, namespace="serve", get_if_exists=True, lifetime="detached"
+        ).remote()
 
     def _load(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
-
-    def _matched(self, hashes: list[str], replica_id: ReplicaID) -> int:
-        n = 0
-        for h in hashes:
-            if self._owners.get(h) != replica_id:
-                break
-            n += 1
-        return n
 
     async def choose_replicas(
         self,
@@ -61,18 +84,16 @@ class PrefixAffinityRouter(RequestRouter):
         hashes = _hashes(pending_request)
         if not hashes:
             return [by_load]
-        least = self._load(by_load[0])
-        best = max(candidate_replicas, key=lambda r: self._matched(hashes, r.replica_id))
-        if self._matched(hashes, best.replica_id) and self._load(best) <= least + self._imbalance:
-            return [[best], [r for r in by_load if r is not best]]
+        runs = await self._index.owner_runs.remote(hashes)
+        held = [r for r in candidate_replicas if runs.get(r.replica_id.unique_id)]
+        if held and self._load(held[0]) <= self._load(by_load[0]) + self._imbalance:
+            return [held, [r for r in by_load if r is not held[0]]]
         return [by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        for h in _hashes(pending_request):
-            self._owners[h] = replica_id
-            self._owners.move_to_end(h)
-        while len(self._owners) > MAX_BLOCKS:
-            self._owners.popitem(last=False)
+        hashes = _hashes(pending_request)
+        if hashes:
+            self._index.record.remote(hashes, replica_id.unique_id)
 
 
 def _hashes(pending_request: PendingRequest | None) -> list[str]:

@@ -1,0 +1,184 @@
+"""Pools against lanes: does an ultrafast pool keep its speed while the default pool is full?
+
+Two setups of the demo model on this machine, one after the other, same client and load:
+
+  lanes  one `expresslane serve` process: ultrafast and default are lanes of one engine
+  fleet  `expresslane cluster` on a local Ray cluster: an ultrafast pool and a default pool of
+         one replica each, each pinned to its own core (`cpu_affinity`), one ingress
+
+Each setup runs three phases: ultrafast requests alone (the single-lane speed), `--streams`
+default streams alone (default throughput), then both at once. Reported per setup: ultrafast
+decode tokens/s with default traffic against alone, and default throughput with ultrafast
+traffic against alone. Then the fleet's added latency: `--probes` one-token completions, one at
+a time on an idle system, through the fleet's ingress and router against the lanes server
+(e2e p50 and p99; the difference is what the proxy, ingress and router hop costs).
+
+    python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from common import machine, save_results
+from tiers import Server, count_between, percentile, stream
+
+
+class Fleet:
+    def __init__(self, port: int):
+        from expresslane.fleet.cluster_file import parse_cluster
+        from expresslane.fleet.deploy import deploy
+
+        engine = {"seed": 0}
+        spec = parse_cluster(
+            {
+                "ingress": {"port": port, "num_cpus": 0.1},
+                "server": {"store_path": ":memory:", "accounts_path": ":memory:"},
+                "pools": {
+                    "fast": {
+                        "tiers": ["ultrafast"],
+                        "num_cpus": 1,
+                        "cpu_affinity": [0],
+                        "engine": {**engine, "max_batch": 4},
+                    },
+                    "std": {
+                        "tiers": ["default"],
+                        "num_cpus": 1,
+                        "cpu_affinity": [1],
+                        "engine": engine,
+                    },
+                },
+            }
+        )
+        self.url = deploy(spec, num_cpus=4)
+        self.model = "expresslane-demo"
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def ultrafast_requests(http, server, args, results: list) -> None:
+    for _ in range(args.ultrafast):
+        stamps: list[float] = []
+        await stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
+        results.append(((len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0], stamps[-1]))
+
+
+async def phases(http, server, args) -> dict:
+    solo: list = []
+    await ultrafast_requests(http, server, args, solo)
+    per_stream: list[list[float]] = [[] for _ in range(args.streams)]
+    stop = asyncio.Event()
+
+    async def worker(stamps):
+        while not stop.is_set():
+            await stream(http, server, "default", args.default_tokens, stamps)
+
+    workers = [asyncio.create_task(worker(s)) for s in per_stream]
+    await asyncio.sleep(args.warmup)
+    a0 = time.perf_counter()
+    await asyncio.sleep(args.window)
+    a1 = time.perf_counter()
+    alone = sum(count_between(s, a0, a1) for s in per_stream) / (a1 - a0)
+    busy: list = []
+    await ultrafast_requests(http, server, args, busy)
+    b0, b1 = busy[0][1], busy[-1][2]
+    during = sum(count_between(s, b0, b1) for s in per_stream) / (b1 - b0)
+    stop.set()
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    fast_solo = statistics.median(r[0] for r in solo)
+    fast_busy = statistics.median(r[0] for r in busy)
+    return {
+        "ultrafast_tokens_per_s_alone": fast_solo,
+        "ultrafast_tokens_per_s_with_default": fast_busy,
+        "ultrafast_kept": fast_busy / fast_solo,
+        "default_throughput_alone": alone,
+        "default_throughput_with_ultrafast": during,
+        "default_kept": during / alone,
+    }
+
+
+async def probe(http, server, n: int) -> dict:
+    """e2e seconds of one-token completions, one at a time."""
+    times = []
+    body = {"model": server.model, "prompt": "def f():", "max_tokens": 1, "temperature": 0}
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = await http.post(server.url + "/v1/completions", json=body)
+        r.raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return {"p50_ms": 1000 * percentile(times, 50), "p99_ms": 1000 * percentile(times, 99)}
+
+
+def report(name: str, r: dict) -> None:
+    print(
+        f"{name:6} ultrafast {r['ultrafast_tokens_per_s_alone']:.0f} tok/s alone, "
+        f"{r['ultrafast_tokens_per_s_with_default']:.0f} with default traffic "
+        f"({100 * r['ultrafast_kept']:.0f}%) | default {r['default_throughput_alone']:.0f} tok/s "
+        f"alone, {r['default_throughput_with_ultrafast']:.0f} with ultrafast "
+        f"({100 * r['default_kept']:.0f}%) | probe e2e p50 {r['probe']['p50_ms']:.1f} ms "
+        f"p99 {r['probe']['p99_ms']:.1f} ms",
+        flush=True,
+    )
+
+
+async def main_async(args) -> dict:
+    results = {"machine": machine(), "settings": vars(args)}
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
+        args.model = None
+        lanes = Server(args, args.port, [])
+        try:
+            await lanes.ready(http)
+            results["lanes"] = await phases(http, lanes, args)
+            results["lanes"]["probe"] = await probe(http, lanes, args.probes)
+        finally:
+            lanes.stop()
+        report("lanes", results["lanes"])
+        fleet = Fleet(args.port + 1)
+        try:
+            await stream(http, fleet, "default", 8, [])  # first request: handles and routers
+            results["fleet"] = await phases(http, fleet, args)
+            results["fleet"]["probe"] = await probe(http, fleet, args.probes)
+        finally:
+            fleet.stop()
+        report("fleet", results["fleet"])
+    p_fleet, p_lanes = results["fleet"]["probe"], results["lanes"]["probe"]
+    results["router_added_ms"] = {
+        q: p_fleet[f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")
+    }
+    print(
+        "fleet added latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms".format(
+            **results["router_added_ms"]
+        )
+    )
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--default-tokens", type=int, default=256)
+    ap.add_argument("--ultrafast", type=int, default=8)
+    ap.add_argument("--ultrafast-tokens", type=int, default=128)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--probes", type=int, default=50)
+    ap.add_argument("--port", type=int, default=8751)
+    args = ap.parse_args()
+    results = asyncio.run(main_async(args))
+    print(f"results: {Path(save_results('fleet', results))}")
+
+
+if __name__ == "__main__":
+    main()

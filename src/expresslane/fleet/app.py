@@ -1,0 +1,15 @@
+"""`build`: the fleet as a Ray Serve application builder, for a Serve config file or KubeRay's
+`RayService` (`import_path: expresslane.fleet.app:build`, `args: {cluster_file: PATH}`).
+Serve's own `http_options` then say where the ingress listens."""
+
+from __future__ import annotations
+
+from expresslane.fleet.cluster_file import load_cluster
+from expresslane.fleet.deploy import build_application
+
+
+def build(args: dict):
+    from expresslane.demo import demo_model_dir
+
+    spec = load_cluster(args["cluster_file"])
+    return build_application(spec, spec.model or str(demo_model_dir()))

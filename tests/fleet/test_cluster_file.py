@@ -1,0 +1,66 @@
+"""The cluster file: what it accepts, what it refuses (one line naming the setting), and the
+shipped example. No Ray cluster needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from expresslane.fleet.cluster_file import ClusterFileError, load_cluster, parse_cluster
+from expresslane.fleet.remote_engine import _ingress_lanes
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.toml"
+POOLS = {
+    "fast": {"tiers": ["ultrafast"], "region": "eu", "spare_flex": True},
+    "std": {"tiers": ["default", "flex"], "region": "us", "replicas": 2},
+}
+
+
+def test_the_example_parses():
+    spec = load_cluster(str(EXAMPLE))
+    assert set(spec.pools) == {"fast", "std"} and spec.regions == ["eu", "us"]
+    assert spec.pools["std"].replicas == 2
+    assert [p.name for p in spec.pools_for("flex", spare=True)] == ["fast", "std"]
+
+
+def test_the_example_builds_a_serve_application():
+    pytest.importorskip("ray")
+    from ray.serve import Application
+
+    from expresslane.fleet.app import build
+
+    assert isinstance(build({"cluster_file": str(EXAMPLE)}), Application)
+
+
+def test_pool_engines_serve_only_their_tiers():
+    spec = parse_cluster({"pools": POOLS})
+    fast = spec.pools["fast"].engine_options()["lanes"]
+    assert fast["ultrafast"]["enabled"] and fast["flex"]["enabled"]  # spare_flex
+    assert not spec.pools["std"].engine_options()["lanes"]["ultrafast"]["enabled"]
+
+
+def test_ingress_lanes_hold_every_replica_s_batch():
+    spec = parse_cluster({"pools": {**POOLS, "std": {**POOLS["std"], "engine": {"max_batch": 8}}}})
+    lanes = _ingress_lanes(spec)
+    assert lanes["default"]["max_batch"] == 16  # 2 replicas x 8
+    assert lanes["ultrafast"]["max_batch"] == 4  # the lane's own default
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"pools": {}}, "no [pools.NAME]"),
+        ({"pools": {"a": {"tiers": ["ultrafast"]}}}, "no pool serves the default tier"),
+        ({"pools": {"a": {"tiers": ["default"], "replica": 2}}}, "unknown setting(s) ['replica']"),
+        ({"pools": {"a": {"tiers": ["gold"]}}}, "tiers must name some of"),
+        ({"pools": {"a": {"tiers": ["default"], "replicas": "2"}}}, "replicas = '2'"),
+        ({"pools": {"a": {"tiers": ["default"], "min_replicas": 1}}}, "set both"),
+        ({"pools": {"a": {"tiers": ["default"], "engine": {"max_bach": 4}}}}, "max_bach"),
+        ({"pools": {"a": {"tiers": ["default"]}}, "extra": {}}, "unknown table(s) ['extra']"),
+    ],
+)
+def test_mistakes_are_named(data, words):
+    with pytest.raises(ClusterFileError) as e:
+        parse_cluster(data)
+    assert words in str(e.value)
