@@ -63,8 +63,9 @@ Recipe
    rerun with the same flags resumes from the latest checkpoint.
 7. Fine-tuning (``--init-from DIR``): start from the ``target/`` and ``draft/`` weights in DIR
    (and its tokenizer) instead of a random initialization; every step reads the ``finetune``
-   stream (``FINETUNE_MIX``: the kinds above plus 30% edits) at half the learning rates, with
-   20 warmup steps and no annealing switch. An edit is a train function whose own names
+   stream (``FINETUNE_MIX``: the kinds above plus 18% edits and 12% JSON answers, see
+   ``json_answers.py``) at half the learning rates, with 20 warmup steps and no annealing
+   switch. An edit is a train function whose own names
    (function, parameters, locals) are first replaced by fresh identifiers made of corpus words,
    followed by the same source again, verbatim or with the function or one parameter renamed;
    half of them as a plain document, half as a chat ("Rename `a` to `b` in this function:"
@@ -131,7 +132,14 @@ ANNEAL_EPOCH_TOKENS = 2_000_000
 # Fine-tuning (--init-from): every step reads this stream, which adds edits (the output repeats
 # code from the context with a rename, or verbatim) to the usual kinds, to teach copying from
 # the context; the learning rates are scaled down and warm up briefly.
-FINETUNE_MIX = {"code": 0.12, "function": 0.22, "instruct": 0.08, "tool": 0.28, "edit": 0.30}
+FINETUNE_MIX = {
+    "code": 0.12,
+    "function": 0.22,
+    "instruct": 0.08,
+    "tool": 0.28,
+    "edit": 0.18,
+    "json": 0.12,
+}
 FINETUNE_EPOCH_TOKENS = 2_000_000
 FINETUNE_LR_SCALE = 0.5
 FINETUNE_WARMUP = 20
@@ -980,6 +988,11 @@ class Data:
             return self.factory.edit_text(rng)
         return self.render(*self.factory.edit_chat(rng))
 
+    def json_answer(self, rng: random.Random):
+        from json_answers import json_answer
+
+        return json_answer(rng, self.factory)
+
     def epoch(self, e: int, stream: str = "main"):
         """Token stream of epoch ``e`` (int16 tensor), built deterministically and cached.
 
@@ -1021,6 +1034,7 @@ class Data:
                 ("function", self.factory.function, False),
                 ("tool", self.factory.tool_use, True),
                 ("edit", self.edit, False),
+                ("json", self.json_answer, True),
             ]
             for kind, make, chat in (m for m in makers if m[0] in mix):
                 budget = int(total * mix[kind])

@@ -202,8 +202,7 @@ def test_langchain_with_structured_output(demo_url, method):
         max_tokens=TOKENS,
         max_retries=0,
     )
-    if method == "json_mode":  # a JSON object, of no schema: the prompt must ask for the fields
-        assert isinstance(llm.with_structured_output(method=method).invoke(ASK), dict)
-        return
+    # json_mode sends no schema (a JSON object of any shape): the demo model answers a
+    # request for a person with the keys it learned for one (scripts/json_answers.py)
     out = llm.with_structured_output(Person, method=method).invoke(ASK)
     assert isinstance(out, Person)
