@@ -109,6 +109,19 @@ def chat(c: openai.OpenAI, tier: str, **kwargs):
     )
 
 
+def long_stream(c: openai.OpenAI, tier: str):
+    """A streamed chat that runs for seconds (1,500 sampled tokens: few guesses land)."""
+    return c.chat.completions.with_streaming_response.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=1500,
+        temperature=1.0,
+        stream=True,
+        service_tier=tier,
+        extra_body={"ignore_eos": True},
+    )
+
+
 def test_tiers_land_on_their_pools(fleet):
     c = client(fleet)
     # flex first goes to the ultrafast pool's idle replica
@@ -122,15 +135,7 @@ def test_tiers_land_on_their_pools(fleet):
 
 def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
     c = client(fleet)
-    with c.chat.completions.with_streaming_response.create(
-        model="expresslane-demo",
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=1500,  # sampled, so guesses rarely land: still running when flex comes
-        temperature=1.0,
-        stream=True,
-        service_tier="ultrafast",
-        extra_body={"ignore_eos": True},
-    ) as running:
+    with long_stream(c, "ultrafast") as running:
         assert running.headers["x-expresslane-pool"] == "fast"
         lines = running.iter_lines()  # kept: dropping it would close the stream
         next(lines)
@@ -243,20 +248,12 @@ def _wait(condition, seconds: float = 180.0) -> None:
 
 def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
     c = client(fleet)
-    with c.chat.completions.with_streaming_response.create(
-        model="expresslane-demo",
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=1500,
-        temperature=1.0,
-        stream=True,
-        service_tier="default",
-        extra_body={"ignore_eos": True},
-    ) as running:
-        lines = running.iter_lines()
-        completion_id = json.loads(next(lines).removeprefix("data: "))["id"]
-        home = running.headers["x-expresslane-replica"]
+    with long_stream(c, "default") as running:
+        home = running.headers["x-expresslane-replica"]  # before any token is read
         victim = next(name for name in _replicas("std") if name.endswith("#" + home))
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        lines = list(running.iter_lines())
+        completion_id = json.loads(lines[0].removeprefix("data: "))["id"]
         rest = "\n".join(lines)
     assert "the replica serving this request failed" in rest  # the started stream says so
     for _ in range(6):  # the pool answers meanwhile (requests routed to the dead one retry)
@@ -310,3 +307,23 @@ def test_bench_reports_pools(fleet, tmp_path):
         assert list(summary["pools"]) == [f"{pool}/{tier}"]
         assert summary["pools"][f"{pool}/{tier}"]["requests"] == 3
         assert f"{pool}/{tier}" in (out / "report.md").read_text()
+
+
+def test_websocket_mode_through_the_ingress(fleet):
+    c = client(fleet)
+    with c.responses.connect() as conn:
+        for tier in ("ultrafast", "default"):
+            conn.response.create(
+                model="expresslane-demo",
+                input=PROMPT,
+                max_output_tokens=4,
+                temperature=0,
+                service_tier=tier,
+                store=False,
+            )
+            for event in conn:
+                if event.type in ("response.completed", "response.incomplete", "error"):
+                    break
+            assert event.type in ("response.completed", "response.incomplete"), event
+            assert event.response.service_tier == tier
+            assert event.response.usage.output_tokens > 0

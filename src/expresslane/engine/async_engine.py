@@ -40,6 +40,16 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
+    def ready(self) -> list[RequestOutput]:
+        """The outputs delivered and not read yet, without waiting (for a consumer that
+        forwards them in bulk, as a fleet replica does)."""
+        out = []
+        while not self.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+            self.finished = item.finished
+            out.append(item)
+        return out
+
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:

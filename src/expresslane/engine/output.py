@@ -4,6 +4,7 @@ text that could still grow into a stop string is held back until it cannot)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,22 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
     # complete from the first output that has tokens
     prompt_logprobs: list[dict | None] | None = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (a consumer that fell behind forwards what
+    piled up in one piece)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return dataclasses.replace(
+        outputs[-1],
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+        prompt_logprobs=next(
+            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None
+        ),
+    )
 
 
 class TextState:

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from expresslane.engine.output import RequestOutput
+from expresslane.engine.output import RequestOutput, merge_outputs
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.snapshot import EngineSnapshot
@@ -90,7 +90,10 @@ class FleetStream:
     async def _iterate(self):
         try:
             while not self.finished:
-                out = await self._outputs.get()
+                outs = [await self._outputs.get()]
+                while not outs[-1].finished and not self._outputs.empty():
+                    outs.append(self._outputs.get_nowait())  # the server fell behind
+                out = merge_outputs(outs)
                 self.finished = out.finished
                 yield out
         finally:

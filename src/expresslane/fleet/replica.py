@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from expresslane.engine.output import merge_outputs
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.errors import ExpresslaneError
 
@@ -71,8 +72,10 @@ class EngineReplica:
         except ExpresslaneError as e:
             yield e
             return
-        async for out in self.engine.enqueue(req):
-            yield out
+        stream = self.engine.enqueue(req)
+        async for out in stream:
+            # what piled up while the last item travelled goes as one: one hop, not many
+            yield merge_outputs([out, *stream.ready()])
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
