@@ -43,6 +43,10 @@ class _Busy(Exception):
     """A replica lending idle capacity to flex has work of its own tiers."""
 
 
+class _Aborted(Exception):
+    """Aborted before a replica was asked (an Exception, so the stream still ends)."""
+
+
 class Route:
     """Where a request runs; `known` is set once a replica took it."""
 
@@ -127,7 +131,7 @@ class FleetStream:
 
     async def _one_attempt(self):
         if self.aborted:
-            raise asyncio.CancelledError
+            raise _Aborted
         handle = self._engine.handles[self._pool.name]
         lent = self.request.lane not in self._pool.tiers and bool(self._spares)
         self._gen = handle.options(stream=True).generate.remote({**self._call, "lent": lent})

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from expresslane.engine.output import merge_outputs
-from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.errors import ExpresslaneError
 
 
@@ -52,7 +51,6 @@ class EngineReplica:
         while not self.engine.ready.wait(1.0):
             if not self.engine.is_alive():
                 raise RuntimeError("the engine stopped while starting")
-        self.draining = False
 
     async def generate(self, call: dict) -> AsyncIterator[object]:
         """{"pool", "replica"} first, then the request's `RequestOutput`s; or only {"busy"}
@@ -76,12 +74,6 @@ class EngineReplica:
         async for out in stream:
             # what piled up while the last item travelled goes as one: one hop, not many
             yield merge_outputs([out, *stream.ready()])
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def snapshot(self) -> tuple[str, str, EngineSnapshot]:
-        return self.pool, self.replica, self.engine.snapshot()
 
     def record_routing_stats(self) -> dict:
         """What the router may weigh beside queue lengths (fleet/router.py)."""
