@@ -248,10 +248,11 @@ def _wait(condition, seconds: float = 180.0) -> None:
 
 def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
     c = client(fleet)
+    actors = {name: ray.get_actor(name, namespace="serve") for name in _replicas("std")}
     with long_stream(c, "default") as running:
-        home = running.headers["x-expresslane-replica"]  # before any token is read
-        victim = next(name for name in _replicas("std") if name.endswith("#" + home))
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        home = running.headers["x-expresslane-replica"]  # killed at once, before it ends
+        victim = next(name for name in actors if name.endswith("#" + home))
+        ray.kill(actors[victim], no_restart=True)
         lines = list(running.iter_lines())
         completion_id = json.loads(lines[0].removeprefix("data: "))["id"]
         rest = "\n".join(lines)

@@ -19,6 +19,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass, field
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -144,9 +145,23 @@ def _sqlite(path: str, synchronous: str) -> sqlite3.Connection:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
     if path != ":memory:":
-        db.execute("PRAGMA journal_mode=WAL")
+        _wal(db)
         db.execute(f"PRAGMA synchronous={synchronous}")
     return db
+
+
+def _wal(db: sqlite3.Connection, seconds: float = 30.0) -> None:
+    """Switch to WAL. Several processes opening a new file at once can get "database is
+    locked" here at once (SQLite does not wait on a busy lock for this pragma): retry."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _postgres(url: str):
