@@ -26,7 +26,7 @@ def add_cluster_command(sub) -> None:
     c.add_argument(
         "--url",
         default=None,
-        help="status: the ingress URL (default: http://127.0.0.1:8000, or the file's [ingress])",
+        help="status: the ingress URL (default: http://127.0.0.1:8000)",
     )
     c.add_argument(
         "--num-cpus",

@@ -23,34 +23,3 @@ class EngineSnapshot:
     kv_total_blocks: int = 0
     # a fleet's ingress: requests it routed per (pool, replica, tier) since it started
     routed: dict[tuple[str, str, str], int] = field(default_factory=dict)
-
-    @staticmethod
-    def merge(parts: list[EngineSnapshot]) -> EngineSnapshot:
-        """The sum of several engines' snapshots (a fleet's replicas); targets: the lowest."""
-
-        def add(dicts):
-            out: dict = {}
-            for d in dicts:
-                for k, v in d.items():
-                    out[k] = out.get(k, 0) + v
-            return out
-
-        spec: dict[str, SpecCounts] = {}
-        for p in parts:
-            for lane, c in p.spec.items():
-                s = spec.get(lane, SpecCounts())
-                spec[lane] = SpecCounts(
-                    s.steps + c.steps, s.proposed + c.proposed, s.accepted + c.accepted
-                )
-        targets: dict[str, float] = {}
-        for p in parts:
-            for lane, t in p.targets.items():
-                targets[lane] = min(t, targets.get(lane, t))
-        return EngineSnapshot(
-            add(p.running for p in parts),
-            add(p.waiting for p in parts),
-            targets,
-            spec,
-            sum(p.kv_used_blocks for p in parts),
-            sum(p.kv_total_blocks for p in parts),
-        )

@@ -32,18 +32,17 @@ class RouteHeaders:
 
         async def send_with_route(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.ingress]}
-            if message["type"] == "http.response.start" and routes:
-                pending = [r.known.wait() for r in routes if not r.known.is_set()]
-                if pending:
-                    await asyncio.wait_for(asyncio.gather(*pending), ROUTE_WAIT_SECONDS)
-                headers = list(message.get("headers", []))
-                for name, values in (
-                    ("x-expresslane-pool", [r.pool for r in routes]),
-                    ("x-expresslane-replica", [r.replica or "" for r in routes]),
-                ):
-                    value = ",".join(dict.fromkeys(v for v in values if v))
-                    headers.append((name.encode(), value.encode()))
+                headers = [*message.get("headers", []), self.ingress]
+                if routes:
+                    pending = [r.known.wait() for r in routes if not r.known.is_set()]
+                    if pending:
+                        await asyncio.wait_for(asyncio.gather(*pending), ROUTE_WAIT_SECONDS)
+                    for name, values in (
+                        ("x-expresslane-pool", [r.pool for r in routes]),
+                        ("x-expresslane-replica", [r.replica or "" for r in routes]),
+                    ):
+                        value = ",".join(dict.fromkeys(v for v in values if v))
+                        headers.append((name.encode(), value.encode()))
                 message = {**message, "headers": headers}
             await send(message)
 

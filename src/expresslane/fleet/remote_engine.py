@@ -239,7 +239,12 @@ class FleetEngine:
 
     def check_placement(self, tier: str, regions: list[str] | None) -> None:
         """403 when no pool of the tier is in a region the key may use."""
-        if not self.pools_for(tier, regions):
+        self._placed(tier, regions)
+
+    def _placed(self, tier: str, regions: list[str] | None) -> list[PoolSpec]:
+        """`pools_for`, or the 403 of `check_placement` when there are none."""
+        pools = self.pools_for(tier, regions)
+        if not pools:
             raise APIError(
                 403,
                 f"No pool serves the {tier!r} tier in the regions this key may use "
@@ -248,10 +253,10 @@ class FleetEngine:
                 param="service_tier",
                 code="region_not_allowed",
             )
+        return pools
 
     def enqueue(self, req: Request, regions: list[str] | None = None) -> FleetStream:
-        self.check_placement(req.lane, regions)
-        pools = self.pools_for(req.lane, regions)
+        pools = self._placed(req.lane, regions)
         pool = pools[0]
         prompt = req.token_ids[: req.num_prompt_tokens]
         call = {
@@ -294,10 +299,6 @@ class FleetEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.cancel()
-
-    def route_of(self, request_id: str) -> Route | None:
-        stream = self._streams.get(request_id)
-        return stream.route if stream is not None else None
 
 
 def _ingress_lanes(spec: ClusterSpec) -> dict:

@@ -12,6 +12,7 @@ from fastapi import Request
 from expresslane.engine.protocol import ServingEngine
 from expresslane.server.accounts import Accounts, Ticket
 from expresslane.server.errors import not_found
+from expresslane.server.keys import ApiKey
 from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings
@@ -85,10 +86,15 @@ class ServerState:
     def admit(self, request: Request, service_tier: str | None) -> Ticket:
         """Decide the tier that serves this HTTP request (see `accounts.py`); the ticket's
         rate-limit headers go on the response."""
-        key = request.state.api_key  # set by AuthMiddleware
+        ticket = self.admit_key(request.state.api_key, service_tier)  # key: AuthMiddleware's
+        request.state.ticket = ticket
+        return ticket
+
+    def admit_key(self, key: ApiKey, service_tier: str | None) -> Ticket:
+        """The ticket of a request of this key (HTTP or WebSocket): its served tier, which
+        the engine must be able to place in the key's regions."""
         ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
         self.engine.check_placement(ticket.tier, ticket.regions)
-        request.state.ticket = ticket
         return ticket
 
 

@@ -123,10 +123,7 @@ class Connection:
                 raise validation_error(list(e.errors(include_url=False))) from e
             if self.ws.app.state.lifecycle.draining:
                 raise refusal()
-            ticket = self.state.accounts.admit(
-                self.ws.state.api_key, req.service_tier, self.state.engine.lane_load
-            )
-            self.state.engine.check_placement(ticket.tier, ticket.regions)
+            ticket = self.state.admit_key(self.ws.state.api_key, req.service_tier)
             job = await prepare_response(
                 self.state,
                 req,
