@@ -47,8 +47,11 @@ def _free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, bin_dir: str):
+    """A throwaway PostgreSQL cluster; `durable=False` (tests) turns off fsync and commit waits."""
+
+    def __init__(self, bin_dir: str, durable: bool = False):
         self.bin = bin_dir
+        self.durable = durable
         self.root = tempfile.mkdtemp(prefix="expresslane-pg-", dir="/tmp")
         self.data = os.path.join(self.root, "data")
         self.as_user: list[str] = []
@@ -76,9 +79,10 @@ class Cluster:
             self.port = _free_port()
             options = (
                 f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-                f"-c unix_socket_directories={self.root} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+                f"-c unix_socket_directories={self.root} -c max_connections=200"
             )
+            if not self.durable:
+                options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
             try:
                 self._run("pg_ctl", "-D", self.data, "-l", log, "-o", options, "-w", "-t", "60",
                           "start")  # fmt: skip
@@ -87,6 +91,11 @@ class Cluster:
                 if attempt == 2:
                     raise
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def restart(self) -> None:
+        """Crash and start again on the same port (`-m immediate`: no checkpoint first)."""
+        log = os.path.join(self.root, "log")
+        self._run("pg_ctl", "-D", self.data, "-l", log, "-m", "immediate", "-w", "restart")
 
     def stop(self) -> None:
         try:

@@ -3,6 +3,7 @@ shipped example. No Ray cluster needed."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,22 @@ def test_mistakes_are_named(data, words):
     with pytest.raises(ClusterFileError) as e:
         parse_cluster(data)
     assert words in str(e.value)
+
+
+def test_autoscaling_settings_go_to_ray_serve_and_are_checked():
+    pytest.importorskip("ray")
+    pool = {"tiers": ["default"], "min_replicas": 1, "max_replicas": 3}
+    spec = parse_cluster({"pools": {"std": {**pool, "autoscaling": {"upscale_delay_s": 2}}}})
+    assert spec.pools["std"].autoscaling_config() == {
+        "upscale_delay_s": 2, "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0
+    }  # fmt: skip
+    for table, says in (
+        ({"upscale_delay": 2}, "unknown setting(s) ['upscale_delay'] in [pools.std.autoscaling]"),
+        ({"upscale_delay_s": "soon"}, "[pools.std.autoscaling] upscale_delay_s"),
+    ):
+        with pytest.raises(ClusterFileError, match=re.escape(says)):
+            parse_cluster({"pools": {"std": {**pool, "autoscaling": table}}})
+    with pytest.raises(ClusterFileError, match="needs min_replicas and max_replicas"):
+        parse_cluster(
+            {"pools": {"std": {"tiers": ["default"], "autoscaling": {"upscale_delay_s": 1}}}}
+        )

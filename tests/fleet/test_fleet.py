@@ -35,7 +35,8 @@ PROMPT = (
 )
 
 
-def cluster(port: int, database: str, std_replicas: int = 2):
+def cluster(port: int, database: str, std_replicas: int = 2, std_scaling: dict | None = None):
+    std = {"replicas": std_replicas} if std_scaling is None else std_scaling
     return parse_cluster(
         {
             "ingress": {"port": port, "num_cpus": 0.2, "replicas": 2},
@@ -51,7 +52,7 @@ def cluster(port: int, database: str, std_replicas: int = 2):
                 "std": {
                     "tiers": ["default", "flex"],
                     "region": "us",
-                    "replicas": std_replicas,
+                    **std,
                     "num_cpus": 0.5,
                     "engine": ENGINE,
                 },
@@ -110,11 +111,11 @@ def chat(c: openai.OpenAI, tier: str, **kwargs):
 
 
 def long_stream(c: openai.OpenAI, tier: str):
-    """A streamed chat that runs for seconds (1,500 sampled tokens: few guesses land)."""
+    """A streamed chat that runs for seconds (sampled to near the 2,048-token context)."""
     return c.chat.completions.with_streaming_response.create(
         model="expresslane-demo",
         messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=1500,
+        max_tokens=1900,
         temperature=1.0,
         stream=True,
         service_tier=tier,
@@ -226,6 +227,11 @@ def test_streams_metrics_and_status(fleet):
     )
     assert out.returncode == 0, out.stderr
     assert "fast" in out.stdout and "std" in out.stdout and "eu" in out.stdout
+    status = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()
+    loads = {p["name"]: p["load"] for p in status["pools"]}
+    assert len(loads["std"]) == 2 and len(loads["fast"]) == 1  # every replica reports
+    assert all(set(v) == {"running", "waiting", "kv_used_blocks"} for v in loads["std"].values())
+    assert "KV blocks" in out.stdout
 
 
 def _replicas(pool: str) -> list[str]:
@@ -250,11 +256,13 @@ def _kill_mid_stream(c) -> tuple[str, str, str]:
     """Kill the replica serving a long stream; (victim, completion id, what the client got)."""
     actors = {name: ray.get_actor(name, namespace="serve") for name in _replicas("std")}
     with long_stream(c, "default") as running:
-        home = running.headers["x-expresslane-replica"]  # killed at once, before it ends
+        home = running.headers["x-expresslane-replica"]
         victim = next(name for name in actors if name.endswith("#" + home))
-        ray.kill(actors[victim], no_restart=True)
-        lines = list(running.iter_lines())
-    return victim, json.loads(lines[0].removeprefix("data: "))["id"], "\n".join(lines)
+        lines = running.iter_lines()
+        first = next(line for line in lines if '"content"' in line)  # started answering
+        ray.kill(actors[victim], no_restart=True)  # (killed before, it would be retried)
+        rest = list(lines)
+    return victim, json.loads(first.removeprefix("data: "))["id"], "\n".join(rest)
 
 
 def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
@@ -302,6 +310,44 @@ def test_scale_down_drains_without_errors(fleet):
         t.join(300)
     assert errors == [] and results == ["length"] * 6
     _wait(lambda: _running("std") == 1 and len(_replicas("std")) == 1)
+
+
+def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(fleet):
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1}
+    scaling["autoscaling"] = {"upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
+                              "look_back_period_s": 2.0, "metrics_interval_s": 0.5}  # fmt: skip
+    deploy(cluster(fleet["port"], fleet["database"], std_scaling=scaling))
+    _wait(lambda: _running("std") == 1)
+    c = client(fleet)
+    loaded, results, errors = threading.Event(), [], []
+
+    def streams():
+        while not loaded.is_set():  # keep 3 requests on the pool until it has grown
+            try:
+                s = c.chat.completions.create(
+                    model="expresslane-demo",
+                    messages=[{"role": "user", "content": PROMPT}],
+                    max_tokens=200,
+                    stream=True,
+                    service_tier="default",
+                    extra_body={"ignore_eos": True},
+                )
+                results.append([ch.choices[0].finish_reason for ch in s if ch.choices][-1])
+            except Exception as e:  # noqa: BLE001  (any failure is what this test looks for)
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=streams) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: _running("std") == 2)
+    finally:
+        loaded.set()
+        for t in threads:
+            t.join(300)
+    _wait(lambda: _running("std") == 1 and len(_replicas("std")) == 1)  # idle: back to min
+    assert errors == [] and results and set(results) == {"length"}
+    assert chat(c, "default").headers["x-expresslane-pool"] == "std"
 
 
 def test_bench_reports_pools(fleet, tmp_path):

@@ -10,7 +10,8 @@
     [pools.fast]
     tiers = ["ultrafast"]
     replicas = 1                   # or min_replicas / max_replicas (Ray Serve autoscaling)
-    region = "eu"
+    region = "eu"                  # [pools.fast.autoscaling]: more of Ray Serve's
+                                   # AutoscalingConfig (upscale_delay_s, ...)
     num_cpus = 1
     [pools.fast.engine]            # EngineConfig fields of this pool's replicas
     max_batch = 4
@@ -49,6 +50,7 @@ class PoolSpec:
     min_replicas: int | None = None  # both set: Ray Serve autoscales between them
     max_replicas: int | None = None
     target_ongoing_requests: float = 8.0  # autoscaling: requests per replica it aims at
+    autoscaling: dict = field(default_factory=dict)  # more AutoscalingConfig fields
     max_ongoing_requests: int = 64  # Ray Serve sends a replica no more at once
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -59,8 +61,17 @@ class PoolSpec:
     cpu_affinity: list[int] | None = None  # pin replicas to these cores (one-machine fleets)
 
     @property
-    def autoscaling(self) -> bool:
+    def autoscaled(self) -> bool:
         return self.min_replicas is not None and self.max_replicas is not None
+
+    def autoscaling_config(self) -> dict:
+        """Ray Serve's AutoscalingConfig fields for this pool (when `autoscaled`)."""
+        return {
+            **self.autoscaling,
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+        }
 
     def engine_options(self) -> dict:
         """EngineConfig options of a replica: its lanes are the pool's tiers (the default
@@ -127,8 +138,12 @@ def _pool(name: str, table: dict) -> PoolSpec:
         raise ClusterFileError(f"[pools.{name}] tiers must name some of {list(LANE_NAMES)}")
     if (pool.min_replicas is None) != (pool.max_replicas is None):
         raise ClusterFileError(f"[pools.{name}] set both min_replicas and max_replicas")
-    if pool.autoscaling and not 0 <= pool.min_replicas <= pool.max_replicas:
+    if pool.autoscaled and not 0 <= pool.min_replicas <= pool.max_replicas:
         raise ClusterFileError(f"[pools.{name}] needs 0 <= min_replicas <= max_replicas")
+    if pool.autoscaling and not pool.autoscaled:
+        raise ClusterFileError(f"[pools.{name}.autoscaling] needs min_replicas and max_replicas")
+    if pool.autoscaled:
+        _check_autoscaling(pool)
     if pool.replicas < 1:
         raise ClusterFileError(f"[pools.{name}] replicas must be at least 1")
     try:
@@ -139,6 +154,23 @@ def _pool(name: str, table: dict) -> PoolSpec:
     except ValueError as e:
         raise ClusterFileError(f"[pools.{name}] {e}") from None
     return pool
+
+
+def _check_autoscaling(pool: PoolSpec) -> None:
+    try:
+        from ray.serve.config import AutoscalingConfig
+    except ImportError:  # checked by Ray Serve when deployed
+        return
+    where = f"[pools.{pool.name}.autoscaling]"
+    own = {"min_replicas", "max_replicas", "target_ongoing_requests"}  # the pool's settings
+    known = set(AutoscalingConfig.model_fields) - own
+    unknown = sorted(set(pool.autoscaling) - known)
+    if unknown:
+        raise ClusterFileError(f"unknown setting(s) {unknown} in {where}; known: {sorted(known)}")
+    try:
+        AutoscalingConfig(**pool.autoscaling_config())
+    except ValueError as e:  # pydantic's: "1 validation error ...\nfield\n  message"
+        raise ClusterFileError(f"{where} {' '.join(str(e).splitlines()[1:3])}") from None
 
 
 def parse_cluster(data: dict, where: str = "cluster file") -> ClusterSpec:

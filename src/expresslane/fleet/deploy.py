@@ -26,14 +26,8 @@ HEALTH_CHECK_SECONDS = 2.0
 
 def _pool_app(spec: ClusterSpec, pool: PoolSpec):
     scaling = (
-        {
-            "autoscaling_config": AutoscalingConfig(
-                min_replicas=pool.min_replicas,
-                max_replicas=pool.max_replicas,
-                target_ongoing_requests=pool.target_ongoing_requests,
-            )
-        }
-        if pool.autoscaling
+        {"autoscaling_config": AutoscalingConfig(**pool.autoscaling_config())}
+        if pool.autoscaled
         else {"num_replicas": pool.replicas}
     )
     deployment = serve.deployment(EngineReplica).options(

@@ -48,7 +48,8 @@ class _Aborted(Exception):
 
 
 class Route:
-    """Where a request runs; `known` is set once a replica took it."""
+    """Where a request runs; `known` is set once a replica has answered (its first output,
+    after which it is not retried elsewhere)."""
 
     def __init__(self, pool: str):
         self.pool = pool
@@ -141,12 +142,12 @@ class FleetStream:
                     self._gen.cancel()
                     raise _Busy
                 self.route.replica = item["replica"]
-                self.route.known.set()
                 self._engine.routed(self)
             elif isinstance(item, ExpresslaneError):
                 yield self._failed(str(item))
                 return
-            else:
+            else:  # headers go with the first output: a retry before it moves them too
+                self.route.known.set()
                 yield item
 
     def _failed(self, error: str | None, reason: str = "error") -> RequestOutput:
@@ -185,7 +186,6 @@ class FleetEngine:
         self._pool_load: dict[str, int] = dict.fromkeys(spec.pools, 0)
         self._lane_load: dict[str, int] = {}
         self._routed: dict[tuple[str, str, str], int] = {}  # (pool, replica, tier) -> requests
-        self._replica_load: dict[tuple[str, str], int] = {}  # (pool, replica) -> in flight
 
     # -- what the server reads ---------------------------------------------------------------
     tokenizer = property(lambda self: self.factory.tokenizer)
@@ -206,10 +206,6 @@ class FleetEngine:
     def snapshot(self) -> EngineSnapshot:
         """What this ingress has in flight (the replicas' own queues are theirs)."""
         return EngineSnapshot(running=dict(self._lane_load), routed=dict(self._routed))
-
-    def in_flight(self, pool: str) -> dict[str, int]:
-        """This ingress's requests running on each replica of the pool."""
-        return {r: n for (p, r), n in self._replica_load.items() if p == pool and n > 0}
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for stream in list(self._streams.values()):
@@ -280,17 +276,12 @@ class FleetEngine:
     def routed(self, stream: FleetStream) -> None:
         key = (stream.route.pool, stream.route.replica or "", stream.request.lane)
         self._routed[key] = self._routed.get(key, 0) + 1
-        where = (stream.route.pool, stream.route.replica or "")
-        self._replica_load[where] = self._replica_load.get(where, 0) + 1
 
     def moved(self, stream: FleetStream, pool: PoolSpec) -> None:
         self._pool_load[stream.route.pool] -= 1
         self._pool_load[pool.name] += 1
 
     def done(self, stream: FleetStream) -> None:
-        where = (stream.route.pool, stream.route.replica or "")
-        if where in self._replica_load:
-            self._replica_load[where] -= 1
         if self._streams.pop(stream.request_id, None) is not None:
             self._pool_load[stream.route.pool] -= 1
             self._lane_load[stream.request.lane] -= 1

@@ -2,21 +2,24 @@
 
 The ingress validated and tokenized the request (`RequestFactory`); the replica makes it again
 from the token ids (grammar matchers and detokenizers do not travel) and streams its outputs.
-The first item of every stream names the pool and replica, so the ingress can put them in the
-response headers before any token exists. A stream the ingress drops (client gone) is
-cancelled by Ray, and the request's stream aborts it in the engine (async_engine.py).
+The first item of every stream names the pool and replica, for the response headers (the
+ingress sends them with the first output, so a request retried before it names its new
+replica). A stream the ingress drops (client gone) is cancelled by Ray, and the request's
+stream aborts it in the engine (async_engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator
 
 from ray import serve
 
 from expresslane.engine.output import merge_outputs
 from expresslane.errors import ExpresslaneError
+from expresslane.fleet.load_board import report_loop
 
 
 def replica_id() -> str:
@@ -51,6 +54,8 @@ class EngineReplica:
         while not self.engine.ready.wait(1.0):
             if not self.engine.is_alive():
                 raise RuntimeError("the engine stopped while starting")
+        self._stop_reports = threading.Event()
+        report_loop(pool, self.replica, self.record_routing_stats, self._stop_reports)
 
     async def generate(self, call: dict) -> AsyncIterator[object]:
         """{"pool", "replica"} first, then the request's `RequestOutput`s; or only {"busy"}
@@ -92,4 +97,5 @@ class EngineReplica:
     async def __del__(self):
         """Ray Serve calls this when it stops the replica (after in-flight requests got
         `graceful_shutdown_timeout_s` to finish)."""
+        self._stop_reports.set()
         await asyncio.to_thread(self.engine.shutdown)

@@ -36,24 +36,22 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
     return out
 
 
-@ray.remote(num_cpus=0)
-class PrefixIndex:
-    """Which replica each prompt block last went to, shared by every ingress replica's router
-    (one named actor per pool), so a conversation continued through another ingress replica
-    still finds its replica."""
+class PrefixRecord:
+    """Which replica each prompt block last went to. Run as the `PrefixIndex` actor (one per
+    pool) it is shared by every ingress replica's router, so a conversation continued through
+    another ingress replica still finds its replica."""
 
     def __init__(self):
         self.owners: OrderedDict[str, str] = OrderedDict()
 
-    def owner_runs(self, hashes: list[str]) -> dict[str, int]:
-        """For each replica, how many of the leading blocks it holds in a row."""
-        runs: dict[str, int] = {}
-        first = self.owners.get(hashes[0]) if hashes else None
-        for h in hashes:
-            if first is None or self.owners.get(h) != first:
-                break
-            runs[first] = runs.get(first, 0) + 1
-        return runs
+    def owner_depths(self, hashes: list[str]) -> dict[str, int]:
+        """For each replica, how many leading blocks its deepest recorded block covers."""
+        depths: dict[str, int] = {}
+        for depth, h in enumerate(hashes, start=1):
+            owner = self.owners.get(h)
+            if owner is not None:
+                depths[owner] = depth
+        return depths
 
     def record(self, hashes: list[str], replica: str) -> None:
         for h in hashes:
@@ -61,6 +59,9 @@ class PrefixIndex:
             self.owners.move_to_end(h)
         while len(self.owners) > MAX_BLOCKS:
             self.owners.popitem(last=False)
+
+
+PrefixIndex = ray.remote(num_cpus=0)(PrefixRecord)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -84,10 +85,12 @@ class PrefixAffinityRouter(RequestRouter):
         hashes = _hashes(pending_request)
         if not hashes:
             return [by_load]
-        runs = await self._index.owner_runs.remote(hashes)
-        held = [r for r in candidate_replicas if runs.get(r.replica_id.unique_id)]
+        depths = await self._index.owner_depths.remote(hashes)
+        held = [r for r in candidate_replicas if depths.get(r.replica_id.unique_id)]
+        held.sort(key=lambda r: -depths[r.replica_id.unique_id])
         if held and self._load(held[0]) <= self._load(by_load[0]) + self._imbalance:
-            return [held, [r for r in by_load if r is not held[0]]]
+            # One replica per rank: within a rank Ray Serve takes the least loaded.
+            return [[r] for r in held] + [[r for r in by_load if r not in held]]
         return [by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):

@@ -1,17 +1,20 @@
 """`GET /fleet/status` on the ingress, and its rendering by `expresslane cluster status`: each
-pool's tiers, region and replicas (Ray Serve's view of them), and the requests this ingress
-replica has running on each."""
+pool's tiers, region and replicas (Ray Serve's view of them), and each replica's load as it
+last reported it (requests running and waiting, KV blocks used; fleet/load_board.py)."""
 
 from __future__ import annotations
 
+import ray
 from ray import serve
 
+from expresslane.fleet.load_board import board
 from expresslane.fleet.names import APP_NAME, pool_deployment_name
 from expresslane.fleet.remote_engine import FleetEngine
 
 
 def fleet_status(engine: FleetEngine) -> dict:
     deployments = serve.status().applications[APP_NAME].deployments
+    loads = ray.get(board().pools.remote(), timeout=10)
     pools = []
     for pool in engine.spec.pools.values():
         d = deployments.get(pool_deployment_name(pool.name))
@@ -22,19 +25,26 @@ def fleet_status(engine: FleetEngine) -> dict:
                 "region": pool.region,
                 "status": getattr(d.status, "value", str(d.status)) if d else "missing",
                 "replica_states": {str(k): v for k, v in d.replica_states.items()} if d else {},
-                "in_flight": engine.in_flight(pool.name),
+                "load": loads.get(pool.name, {}),
             }
         )
     return {"pools": pools, "regions": engine.spec.regions}
 
 
 def render(status: dict) -> str:
-    lines = [f"{'pool':<14}{'tiers':<24}{'region':<10}{'status':<12}replicas  in flight"]
+    lines = [f"{'pool':<14}{'tiers':<24}{'region':<10}{'status':<12}replicas  load"]
     for p in status["pools"]:
         states = ", ".join(f"{n} {s.lower()}" for s, n in p["replica_states"].items()) or "-"
-        load = ", ".join(f"{r}: {n}" for r, n in p["in_flight"].items()) or "0"
+        load = ", ".join(_load(r, n) for r, n in sorted(p["load"].items())) or "-"
         tiers = ",".join(p["tiers"])
         lines.append(
             f"{p['name']:<14}{tiers:<24}{p['region']:<10}{p['status']:<12}{states}  {load}"
         )
     return "\n".join(lines)
+
+
+def _load(replica: str, load: dict) -> str:
+    return (
+        f"{replica}: {load['running']} running, {load['waiting']} waiting, "
+        f"{load['kv_used_blocks']} KV blocks"
+    )
