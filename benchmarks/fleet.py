@@ -15,7 +15,8 @@ default streams alone (default throughput), then both at once. Reported per setu
 decode tokens/s with default traffic against alone, and default throughput with ultrafast
 traffic against alone. Then the fleet's added latency: `--probes` one-token completions, one at
 a time on an idle system, through the fleet's ingress and router against the lanes server
-(e2e p50 and p99; the difference is what the proxy, ingress and router hop costs).
+(e2e p50 and p99; the difference is what the proxy, ingress and router hop costs), and the
+CPU time each part spent per default token while the default streams ran alone (from /proc).
 
     python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50]
 """
@@ -88,6 +89,34 @@ async def ultrafast_requests(http, server, args, results: list) -> None:
         results.append(((len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0], stamps[-1]))
 
 
+PARTS = {  # a process's command line -> the part of the fleet it is
+    "ServeReplica:expresslane:ingress": "ingress",
+    "ProxyActor": "Serve proxy",
+    "pool-std": "default pool replica",
+    "pool-fast": "ultrafast pool replica",
+}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far per part of the fleet (this client, Ray's other processes)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == os.getpid():
+            part = "client"
+        elif "ray" in cmd:
+            part = next((v for k, v in PARTS.items() if k in cmd), "Ray (other)")
+        else:
+            continue
+        out[part] = out.get(part, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+    return out
+
+
 async def phases(http, server, args) -> dict:
     solo: list = []
     await ultrafast_requests(http, server, args, solo)
@@ -100,10 +129,12 @@ async def phases(http, server, args) -> dict:
 
     workers = [asyncio.create_task(worker(s)) for s in per_stream]
     await asyncio.sleep(args.warmup)
-    a0 = time.perf_counter()
+    cpu0, a0 = cpu_seconds(), time.perf_counter()
     await asyncio.sleep(args.window)
-    a1 = time.perf_counter()
-    alone = sum(count_between(s, a0, a1) for s in per_stream) / (a1 - a0)
+    cpu1, a1 = cpu_seconds(), time.perf_counter()
+    tokens = sum(count_between(s, a0, a1) for s in per_stream)
+    alone = tokens / (a1 - a0)
+    cpu_ms = {k: 1000 * (v - cpu0.get(k, 0.0)) / tokens for k, v in cpu1.items()}
     busy: list = []
     await ultrafast_requests(http, server, args, busy)
     b0, b1 = busy[0][1], busy[-1][2]
@@ -121,6 +152,7 @@ async def phases(http, server, args) -> dict:
         "default_throughput_alone": alone,
         "default_throughput_with_ultrafast": during,
         "default_kept": during / alone,
+        "cpu_ms_per_default_token": {k: v for k, v in cpu_ms.items() if v >= 0.005},
     }
 
 
@@ -146,6 +178,8 @@ def report(name: str, r: dict) -> None:
         f"p99 {r['probe']['p99_ms']:.1f} ms",
         flush=True,
     )
+    cpu = sorted(r["cpu_ms_per_default_token"].items(), key=lambda kv: -kv[1])
+    print("       CPU ms per default token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
 
 
 async def main_async(args) -> dict:

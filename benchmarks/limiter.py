@@ -14,7 +14,7 @@ the limit held), then the same after the bucket holder is restarted halfway thro
 run (PostgreSQL crashed and started again; the actor killed and restarted by Ray): takes that
 failed, and how far grants went over the limit (a restarted actor has lost its buckets).
 
-    python benchmarks/limiter.py [--threads 4] [--keys 20] [--rpm 600] [--seconds 10]
+    python benchmarks/limiter.py [--threads 4] [--keys 20] [--rpm 120] [--seconds 10]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=4, help="per ingress process")
     ap.add_argument("--keys", type=int, default=20)
-    ap.add_argument("--rpm", type=int, default=600)
+    ap.add_argument("--rpm", type=int, default=120)
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args()
     results = {"machine": machine(), "settings": vars(args)}

@@ -14,6 +14,7 @@ postgres_url  # noqa: F401`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -83,6 +84,7 @@ class Cluster:
             )
             if not self.durable:
                 options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            self.options = options  # start_again needs them too
             try:
                 self._run("pg_ctl", "-D", self.data, "-l", log, "-o", options, "-w", "-t", "60",
                           "start")  # fmt: skip
@@ -97,6 +99,15 @@ class Cluster:
         log = os.path.join(self.root, "log")
         self._run("pg_ctl", "-D", self.data, "-l", log, "-m", "immediate", "-w", "restart")
 
+    def crash(self) -> None:
+        """Stop the server at once, keeping its data (`start_again` brings it back)."""
+        self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+
+    def start_again(self) -> None:
+        log = os.path.join(self.root, "log")
+        self._run("pg_ctl", "-D", self.data, "-l", log, "-o", self.options, "-w", "-t", "60",
+                  "start")  # fmt: skip
+
     def stop(self) -> None:
         try:
             if os.path.exists(os.path.join(self.data, "postmaster.pid")):  # it is running
@@ -105,9 +116,9 @@ class Cluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def postgres_url():
-    """The URL of a running throwaway PostgreSQL server (its `postgres` database)."""
+@contextlib.contextmanager
+def running_cluster():
+    """A started `Cluster` of its own (skipping the test where PostgreSQL cannot run)."""
     bin_dir = _binaries()
     if bin_dir is None:
         pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl on PATH or in /usr/lib)")
@@ -120,11 +131,16 @@ def postgres_url():
     cluster = Cluster(bin_dir)
     try:
         cluster.start()
-    except BaseException:
+        yield cluster
+    finally:
         cluster.stop()
-        raise
-    yield cluster.url
-    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """The URL of a running throwaway PostgreSQL server (its `postgres` database)."""
+    with running_cluster() as cluster:
+        yield cluster.url
 
 
 def _has_user(name: str) -> bool:

@@ -9,10 +9,14 @@ headers are added when the response starts.
 from __future__ import annotations
 
 import json
+import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from expresslane.server.errors import APIError
+from expresslane.server.database import DatabaseUnavailable
+from expresslane.server.errors import APIError, database_unavailable
+
+log = logging.getLogger("expresslane.server")
 
 
 class AuthMiddleware:
@@ -30,6 +34,10 @@ class AuthMiddleware:
             state["api_key"] = self.accounts.authenticate(headers.get("authorization"))
         except APIError as e:
             await _deny(scope, send, e)
+            return
+        except DatabaseUnavailable as e:
+            log.warning("%s: %s", scope["path"], e)
+            await _deny(scope, send, database_unavailable())
             return
 
         async def send_with_headers(message: Message) -> None:
@@ -52,7 +60,11 @@ async def _deny(scope: Scope, send: Send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
     start = {
         "status": error.status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            *((k.lower().encode(), v.encode()) for k, v in error.headers.items()),
+        ],
     }
     if scope["type"] == "http":
         await send({"type": "http.response.start", **start})

@@ -8,7 +8,9 @@ the words PostgreSQL spells differently (REAL, AUTOINCREMENT) into its own. A ta
 imported only then); anything else is a SQLite path, or `":memory:"`.
 
 A `Database` is safe to share between threads: statements run one at a time under its lock,
-and results are fetched before the lock is released.
+and results are fetched before the lock is released. A PostgreSQL server that goes away makes
+the statement raise `DatabaseUnavailable` (the server answers 503); the next statement
+connects again.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Database:
         self._open = opener
         self._conn = opener()
         self._lock = threading.RLock()
+        self._lost = _connection_errors(kind)
 
     @property
     def shared(self) -> bool:
@@ -78,7 +81,7 @@ class Database:
         return self.kind == "postgres"
 
     def execute(self, sql: str, params=()) -> Result:
-        with self._lock:
+        with self._lock, self._unavailable_if_lost():
             if self.kind == "sqlite":
                 cur = self._conn.execute(sql, params)
             else:
@@ -91,15 +94,24 @@ class Database:
             return Result(rows, cur.rowcount, columns)
 
     @contextlib.contextmanager
+    def _unavailable_if_lost(self):
+        try:
+            yield
+        except self._lost as e:
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise DatabaseUnavailable(f"lost the database {redact(self.target)}: {why}") from e
+
+    @contextlib.contextmanager
     def transaction(self):
         """One transaction (SQLite: BEGIN IMMEDIATE, the write lock taken at once); statements
         of other threads wait until it ends."""
         with self._lock:
             if self.kind == "postgres":
-                if self._conn.closed:
-                    self._conn = self._open()
-                with self._conn.transaction():
-                    yield self
+                with self._unavailable_if_lost():
+                    if self._conn.closed:
+                        self._conn = self._open()
+                    with self._conn.transaction():
+                        yield self
                 return
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -162,6 +174,15 @@ def _wal(db: sqlite3.Connection, seconds: float = 30.0) -> None:
             if "locked" not in str(e) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def _connection_errors(kind: str) -> tuple[type[Exception], ...]:
+    """The driver's errors that mean the server cannot be reached (not a bad statement)."""
+    if kind != "postgres":
+        return ()
+    import psycopg
+
+    return (psycopg.OperationalError,)
 
 
 def _postgres(url: str):

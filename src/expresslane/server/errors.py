@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from expresslane.errors import ExpresslaneError
+from expresslane.server.database import DatabaseUnavailable
 
 log = logging.getLogger("expresslane.server")
 
@@ -142,6 +143,17 @@ def generation_error(message: str | None) -> APIError:
     )
 
 
+def database_unavailable() -> APIError:
+    """The shared database cannot be reached: the request did nothing; retrying is safe."""
+    return APIError(
+        503,
+        "The server's database is unavailable; nothing was done. Retry shortly.",
+        code="database_unavailable",
+        type="server_error",
+        headers={"Retry-After": "1"},
+    )
+
+
 def internal_error() -> APIError:
     return APIError(
         500,
@@ -242,6 +254,11 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = APIError(exc.status_code, str(exc.detail))
         return err.response()
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def _database(request: Request, exc: DatabaseUnavailable):
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return database_unavailable().response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
