@@ -16,6 +16,7 @@ from expresslane.cli_types import (
     positive_int,
     speculative,
 )
+from expresslane.names import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -84,13 +85,13 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
 def _format_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
-        choices=["nvfp4", "mxfp4"],
+        choices=QUANTIZATIONS,
         default=None,
         help="quantize linear weights at load (an FP4 checkpoint needs no flag)",
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8", "fp4"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="store the KV cache compressed: fp8 (E4M3, a scale per token and head) or fp4 "
         "(E2M1, an E4M3 scale per 16 values)",

@@ -11,6 +11,7 @@ import sys
 import time
 
 from expresslane.lanes import LANE_NAMES
+from expresslane.server.keys import POLICIES
 
 
 def _db(args):
@@ -200,7 +201,7 @@ def add_account_commands(sub) -> None:
     c.add_argument("--monthly-tokens", type=int, default=None)
     c.add_argument(
         "--when-unavailable",
-        choices=["queue", "downgrade", "reject"],
+        choices=POLICIES,
         default="queue",
         help="when the tier asked for is full (or not allowed): wait, serve at the default "
         "tier, or refuse",

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from expresslane.names import KV_CACHE_DTYPES, QUANTIZATIONS
+
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from expresslane.errors import ModelLoadError
@@ -33,7 +35,7 @@ def add_quantize_command(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a checkpoint's linear layers to MXFP4/NVFP4")
     q.add_argument("in_dir")
     q.add_argument("out_dir")
-    q.add_argument("--format", choices=["nvfp4", "mxfp4"], required=True)
+    q.add_argument("--format", choices=QUANTIZATIONS, required=True)
     q.add_argument(
         "--skip",
         action="append",
@@ -73,8 +75,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def add_perplexity_command(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity on the demo model's held-out corpus")
     p.add_argument("--model", default=None, help="model directory (default: the demo target)")
-    p.add_argument("--quantization", choices=["nvfp4", "mxfp4"], default=None)
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp4"], default="auto")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-tokens", type=int, default=100_000)
     p.add_argument("--window", type=int, default=1024)

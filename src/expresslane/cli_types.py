@@ -8,8 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+from expresslane import names
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+DTYPES = ("auto", *names.DTYPES)
 
 
 class Parser(argparse.ArgumentParser):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from expresslane.errors import InvalidRequestError
+from expresslane.names import DTYPES
 
 
 @dataclass
@@ -93,11 +94,4 @@ class EngineConfig:
         return dtype, dtype
 
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPES.items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from expresslane import names
 from expresslane.quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
@@ -27,7 +28,7 @@ from expresslane.quant.formats import (
     unpack_nibbles,
 )
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp4")
+KV_CACHE_DTYPES = names.KV_CACHE_DTYPES
 
 
 class PlainKV:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from expresslane.names import QUANTIZATIONS
+
 E2M1_VALUES = (
     0.0,
     0.5,
@@ -66,7 +68,7 @@ class Fp4Format:
 
 MXFP4 = Fp4Format("mxfp4", 32, "e8m0", tensor_scale=False)
 NVFP4 = Fp4Format("nvfp4", 16, "e4m3", tensor_scale=True)
-FORMATS = {f.name: f for f in (MXFP4, NVFP4)}
+FORMATS = {name: {f.name: f for f in (MXFP4, NVFP4)}[name] for name in QUANTIZATIONS}
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
