@@ -35,8 +35,7 @@ def poison(engine: LLMEngine, rid: str, lane: str, prompt: list[int], **bad) -> 
     params = SamplingParams(max_tokens=8, temperature=1.0)
     for name, value in bad.items():
         setattr(params, name, value)
-    rank = engine.lanes[lane].rank
-    return Request(rid, prompt, params, priority=rank, lane=lane, max_tokens=8)
+    return Request(rid, prompt, params, lane=lane, max_tokens=8)
 
 
 def good_requests(engine: LLMEngine) -> list[Request]:
@@ -118,7 +117,7 @@ def test_a_request_whose_tokens_cannot_be_taken_fails_alone(llama_dir, reference
     engine = new_engine(llama_dir)
     prompt = random_prompts(1, 20, 21, seed=5)[0]
     params = SamplingParams(max_tokens=8, **GREEDY)
-    broken = Request("no-detok", prompt, params, priority=1, lane="default", max_tokens=8)
+    broken = Request("no-detok", prompt, params, lane="default", max_tokens=8)
     outs = drive(engine, [*good_requests(engine), broken])
     last = outs["no-detok"][-1]
     assert last.finish_reason == "error"
@@ -130,7 +129,7 @@ def test_a_request_whose_tokens_cannot_be_taken_fails_alone(llama_dir, reference
 
 def test_a_proposer_that_raises_costs_only_its_guesses(llama_dir, reference):
     engine = new_engine(llama_dir)
-    ngram = engine.proposers[0].proposer
+    ngram = engine.proposers["ultrafast"].proposer
     calls = {"n": 0}
     propose = ngram.propose
 

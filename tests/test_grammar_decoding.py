@@ -37,9 +37,7 @@ PARSER = HermesToolParser()
 def engines() -> dict[str, LLMEngine]:
     engines = {
         name: LLMEngine(
-            EngineConfig(
-                model=str(demo_model_dir()), seed=0, num_kv_blocks=2048, speculative=spec
-            )
+            EngineConfig(model=str(demo_model_dir()), seed=0, num_kv_blocks=2048, speculative=spec)
         )
         for name, spec in SPECULATION.items()
     }
@@ -185,9 +183,7 @@ def test_grammars_hold_through_preemption_and_chunked_prefill(engines):
     grammar = json_schema(schema, "response_format")
     params = SamplingParams(max_tokens=48, temperature=0.0, grammar=grammar)
     prompt = render(eng.tokenizer, [{"role": "user", "content": "Numbers, please."}], None)
-    reqs = [
-        eng.add_request(prompt + str(i), params, add_special_tokens=False) for i in range(24)
-    ]
+    reqs = [eng.add_request(prompt + str(i), params, add_special_tokens=False) for i in range(24)]
     while eng.has_unfinished():
         eng.step()
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
@@ -206,10 +202,10 @@ def test_step_masks_match_a_plain_reference(engines):
     reqs = [eng.make_request("x", greedy) for _ in range(3)]
     history = [[], _tokens(eng, '{"n": 1'), []]  # what each has generated so far
     reqs[1].matcher.consume_tokens(history[1])
-    reqs[2].draft_ids = _tokens(eng, '{"n"') + [7]  # the last guess breaks the grammar
+    reqs[2].spec.guesses = _tokens(eng, '{"n"') + [7]  # the last guess breaks the grammar
     for r in reqs:
         r.num_computed_tokens = r.num_tokens - 1
-    items = [(r, 1 + len(r.draft_ids)) for r in reqs]
+    items = [(r, 1 + len(r.spec.guesses)) for r in reqs]
     eng.runner.sampler.masks = eng.grammars.start(items)
     owners = [k for k, (_, n) in enumerate(items) for _ in range(n)]
     offsets = [j for _, n in items for j in range(n)]
@@ -219,7 +215,7 @@ def test_step_masks_match_a_plain_reference(engines):
     eng.runner.sampler.masks = None
     for i, (k, j) in enumerate(zip(owners, offsets, strict=True)):
         ref = eng.grammars.matcher(grammar)
-        ref.consume_tokens(history[k] + reqs[k].draft_ids[:j])
+        ref.consume_tokens(history[k] + reqs[k].spec.guesses[:j])
         if ref.is_error():  # past the invalid guess: the row is not constrained
             assert got[i] == int(logits[i].argmax())
             continue
@@ -258,9 +254,9 @@ def test_forced_guesses_kept_over_a_capped_step(engines):
     while not req.num_output_tokens:
         eng.step()  # now {"path": " is forced
     engines["none"].guesses.add_forced(eng.scheduler.running)
-    assert req.draft_ids and req.draft_forced
+    assert req.spec.guesses and req.spec.forced
     engines["none"].guesses.add_forced(eng.scheduler.running)  # the capped step's turn
-    assert req.draft_forced
+    assert req.spec.forced
     while eng.has_unfinished():
         eng.step()
     assert req.finish_reason in ("stop", "length")
@@ -276,9 +272,7 @@ def test_the_offline_api_takes_a_grammar():
         "required": ["n"],
         "additionalProperties": False,
     }
-    params = SamplingParams(
-        max_tokens=64, temperature=0.0, grammar=json_schema(schema, "schema")
-    )
+    params = SamplingParams(max_tokens=64, temperature=0.0, grammar=json_schema(schema, "schema"))
     prompt = render(llm.engine.tokenizer, [{"role": "user", "content": "Data as JSON."}], None)
     out = llm.generate([prompt], params)[0]
     assert out.finish_reason == "stop", out.text

@@ -94,7 +94,7 @@ def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir,
     model.refit_every = 10**9  # keep the hand-set costs below
     model.set_costs([0.0105, 0.001, 0.0, 0.0])  # 10.5 ms + 1 ms per sequence
     # 16 tok/s = 62.5 ms per step; the scheduler holds 40% of it, 25 ms: 14 sequences per step
-    engine.scheduler.targets = {0: 16.0}
+    engine.scheduler.set_target("ultrafast", 16.0)
     engine._targets_resolved = True
     prompts = random_prompts(21, 5, 12, seed=12)
     params = SamplingParams(max_tokens=30, **GREEDY)
@@ -164,7 +164,7 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     assert engine.step_model.ready
     assert len(engine.step_model.calibration) >= 7  # several batch shapes were timed
     assert engine.step_model.predict(1, 1, 64) > 0
-    target = engine.scheduler.targets[engine.lanes["ultrafast"].rank]
+    target = engine.scheduler.targets["ultrafast"]
     assert 0 < target < 1 / engine.step_model.predict(1, 1, 256)  # "auto": below solo speed
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -111,14 +111,14 @@ def test_batched_adjustments_match_the_reference_row_by_row():
         prompt = torch.randint(0, VOCAB, (12,), generator=g).tolist()
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=None, **kw), max_tokens=64)
         req.token_ids += torch.randint(0, 20, (30,), generator=g).tolist()  # its output
-        req.draft_ids = torch.randint(0, 20, (3,), generator=g).tolist()
+        req.spec.guesses = torch.randint(0, 20, (3,), generator=g).tolist()
         reqs += [req] * 4
         offsets += [0, 1, 2, 3]
     logits = torch.randn(len(reqs), VOCAB, generator=g) * 3
     got = apply_penalties(logits, reqs, offsets)
     for row, (r, j) in enumerate(zip(reqs, offsets)):
         prompt = r.token_ids[: r.num_prompt_tokens]
-        want = reference(logits[row], prompt, r.output_token_ids + r.draft_ids[:j], r.params)
+        want = reference(logits[row], prompt, r.output_token_ids + r.spec.guesses[:j], r.params)
         torch.testing.assert_close(got[row], want)
     plain = [Request("p", [1, 2], SamplingParams(), max_tokens=4)] * 2
     same = logits[:2]

@@ -154,7 +154,7 @@ def test_guesses_per_request_adapt_to_acceptance(llama_dir, right):
     plain = LLM(str(llama_dir), dtype="float32").generate(prompt, params)[0].token_ids
     llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
     scripted = _Scripted(prompt + plain, right)
-    llm.engine.proposers[1].proposer = scripted
+    llm.engine.proposers["default"].proposer = scripted
     assert llm.generate(prompt, params)[0].token_ids == plain
     asked = scripted.asked
     assert asked[0] == 3  # the starting guess: acceptance 0.75
@@ -266,7 +266,7 @@ def test_payoff_compares_time_per_token_as_a_ratio_of_sums_that_fades_with_steps
 def test_free_proposals_are_cut_to_what_their_kind_is_worth(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
     engine = llm.engine
-    spec = engine.proposers[1]
+    spec = engine.proposers["default"]
     for _ in range(50):
         spec.acceptance.record({}, 3, 0, 6)  # three-token matches: never kept
         spec.acceptance.record({}, 1, 6, 6)  # one-token matches: always
@@ -274,10 +274,10 @@ def test_free_proposals_are_cut_to_what_their_kind_is_worth(llama_dir):
     engine.step()  # the prompt; its sampled token is set below (the n-gram index never saw it)
     req.token_ids[-1] = 4  # ends in 2, 3, 4: a three-token match
     engine.guesses.propose(engine.scheduler.running)
-    assert req.draft_kind == 3 and req.draft_ids == [9]  # cut to the fewest
+    assert req.spec.kind == 3 and req.spec.guesses == [9]  # cut to the fewest
     req.token_ids[-1] = 9  # ends in 9: a one-token match
     engine.guesses.propose(engine.scheduler.running)
-    assert req.draft_kind == 1 and req.draft_ids == [2, 3, 9, 2, 3, 9]  # the most
+    assert req.spec.kind == 1 and req.spec.guesses == [2, 3, 9, 2, 3, 9]  # the most
 
 
 def test_step_cost_line_is_predict_for_a_fixed_batch():
@@ -305,18 +305,24 @@ def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
     while not all(r.num_computed_tokens == r.num_tokens - 1 for r in (a, b, c)):
         engine.step()
     vocab = engine.model_config.vocab_size
-    a.draft_ids, b.draft_ids, c.draft_ids = [7, 8, 9, 10], [11, 12, 13, 14], [15]
-    c.draft_probs = torch.full((1, vocab), 1.0 / vocab)
+    a.spec.guesses, b.spec.guesses, c.spec.guesses = [7, 8, 9, 10], [11, 12, 13, 14], [15]
+    c.spec.guess_probs = torch.full((1, vocab), 1.0 / vocab)
     engine.guesses.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
-    assert a.draft_ids == [7, 8, 9, 10] and b.draft_ids == [11, 12, 13, 14]
-    assert c.draft_ids == [15] * 4 and c.draft_padding == 3
-    assert c.draft_probs.shape == (4, vocab) and c.draft_probs[1:, 15].tolist() == [1.0] * 3
-    b.draft_ids = []
-    c.keep_guesses(2)  # a budget cut drops pads first
-    assert c.draft_ids == [15, 15] and c.draft_padding == 1
+    assert a.spec.guesses == [7, 8, 9, 10] and b.spec.guesses == [11, 12, 13, 14]
+    assert c.spec.guesses == [15] * 4 and c.spec.padding == 3
+    assert (
+        c.spec.guess_probs.shape == (4, vocab) and c.spec.guess_probs[1:, 15].tolist() == [1.0] * 3
+    )
+    b.spec.guesses = []
+    c.spec.keep_guesses(2)  # a budget cut drops pads first
+    assert c.spec.guesses == [15, 15] and c.spec.padding == 1
     engine.guesses.uniform(engine.scheduler.running, None)  # 4, 0, 2: the median, 2
-    assert (a.draft_ids, b.draft_ids, c.draft_ids) == ([7, 8], [b.token_ids[-1]] * 2, [15, 15])
-    assert (a.draft_padding, b.draft_padding, c.draft_padding) == (0, 2, 1)
+    assert (a.spec.guesses, b.spec.guesses, c.spec.guesses) == (
+        [7, 8],
+        [b.token_ids[-1]] * 2,
+        [15, 15],
+    )
+    assert (a.spec.padding, b.spec.padding, c.spec.padding) == (0, 2, 1)
     engine.spec_payoff.speculate = lambda batch: False  # verify these, propose nothing new
     engine.step()
     stats = engine.spec_stats

@@ -65,7 +65,7 @@ def test_greedy_outputs_identical_on_100_prompts(
     stats = llm.engine.spec_stats
     assert 0 < stats.accepted < stats.proposed  # some guesses kept, some rolled back
     if method == "draft":
-        draft = llm.engine.proposers[1].proposer
+        draft = llm.engine.proposers["default"].proposer
         assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
@@ -85,7 +85,7 @@ def test_draft_model_state_survives_preemption_and_abort(llama_dir, draft_dir):
         engine.step()
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
-    draft = engine.proposers[1].proposer
+    draft = engine.proposers["default"].proposer
     assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
 
 
@@ -114,7 +114,7 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
     else:
         folder = bf16_copy(draft_dir, tmp_path / "draft")
     llm = LLM(str(target), speculative=_spec(folder))
-    draft = llm.engine.proposers[1].proposer
+    draft = llm.engine.proposers["default"].proposer
     assert draft.model.native_head
     prompts = random_prompts(5, 4, 40, seed=43)
 
@@ -171,8 +171,8 @@ def test_a_bad_greedy_vocab_file_is_a_clear_load_error(tmp_path, draft_dir, cont
 class _Row(Request):
     def __init__(self, guess: int, q: torch.Tensor | None, seed: int):
         super().__init__("r", [1], SamplingParams(temperature=1.0, seed=seed), max_tokens=8)
-        self.draft_ids = [guess]
-        self.draft_probs = None if q is None else q.unsqueeze(0)
+        self.spec.guesses = [guess]
+        self.spec.guess_probs = None if q is None else q.unsqueeze(0)
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])

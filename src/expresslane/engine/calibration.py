@@ -49,13 +49,12 @@ def calibrate(engine: LLMEngine) -> None:
 def resolve_targets(engine: LLMEngine) -> None:
     """Per-request tokens/s targets of lanes that have one; "auto" is a fraction of the speed
     a single request gets alone on this device."""
-    targets = {}
     for lane in engine.lanes.values():
         target = lane.target_tokens_per_s
         if target == "auto":
             target = AUTO_TARGET_FRACTION / max(engine.step_model.predict(1, 1, 256), 1e-4)
         if target is not None:
-            targets[lane.rank] = float(target)
+            target = float(target)
             log.info("lane %s: target %.0f tokens/s per request", lane.name, target)
-    engine.scheduler.targets = targets
+        engine.scheduler.set_target(lane.name, target)
     engine._targets_resolved = True

@@ -13,14 +13,13 @@ from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
 from expresslane.engine.calibration import calibrate, resolve_targets
 from expresslane.engine.grammar import GrammarMatchers
-from expresslane.engine.guesses import GuessPlanner
 from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
-from expresslane.engine.scheduler import Scheduler
+from expresslane.engine.scheduler import ScheduledBatch, Scheduler
 from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.errors import InvalidRequestError
@@ -28,10 +27,12 @@ from expresslane.lanes import build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec import make_proposer
+from expresslane.spec import SpecConfig, make_proposer
 from expresslane.spec.draft import DraftModelProposer
-from expresslane.spec.payoff import SpecPayoff
+from expresslane.spec.payoff import SpecPayoff, StepGuesses
+from expresslane.spec.planner import GuessPlanner
 from expresslane.spec.stats import SpecStats
+from expresslane.spec.verification import record_verification
 
 log = logging.getLogger("expresslane.engine")
 QUEUE_TIMEOUT = "queue_timeout"  # the error text of requests that waited too long to start
@@ -94,12 +95,14 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.proposers = {}  # lane rank -> SpecConfig
+        self.proposers: dict[str, SpecConfig] = {}  # lane name -> its speculation
         self._drafts: dict[Path, DraftModelProposer] = {}  # lanes share a draft model
         for lane in self.lanes.values():
-            spec = lane.speculative if lane.speculative is not None else config.speculative
-            if spec:
-                self.proposers[lane.rank] = make_proposer(spec, self.device.type, self._load_draft)
+            settings = lane.speculative if lane.speculative is not None else config.speculative
+            if settings:
+                self.proposers[lane.name] = make_proposer(
+                    settings, self.device.type, self._load_draft
+                )
         self.spec_stats = SpecStats()  # all lanes
         self.lane_spec_stats = {name: SpecStats() for name in self.lanes}
         self.spec_payoff = SpecPayoff()
@@ -142,7 +145,7 @@ class LLMEngine:
         return EngineSnapshot(
             running,
             waiting,
-            {lane.name: targets[lane.rank] for lane in self.lanes.values() if lane.rank in targets},
+            {name: targets[name] for name in self.lanes if name in targets},
             {
                 lane: SpecCounts(s.steps, s.proposed, s.accepted)
                 for lane, s in self.lane_spec_stats.items()
@@ -176,10 +179,8 @@ class LLMEngine:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
-        if req.lane not in self.lanes or req.priority not in self.scheduler.rank_lane:
-            raise InvalidRequestError(
-                f"request {req.request_id!r}: unknown lane {req.lane!r} or rank {req.priority}"
-            )
+        if req.lane not in self.lanes:
+            raise InvalidRequestError(f"request {req.request_id!r}: unknown lane {req.lane!r}")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -198,9 +199,9 @@ class LLMEngine:
 
     def _remove(self, req: Request) -> None:
         self.scheduler.remove(req)
-        spec = self.proposers.get(req.priority)
-        if spec is not None:
-            spec.proposer.release(req.request_id)
+        spec_config = self.proposers.get(req.lane)
+        if spec_config is not None:
+            spec_config.proposer.release(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -208,65 +209,88 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: propose guesses, schedule, run the model, accept the tokens."""
         start = time.perf_counter()
         if not self._targets_resolved and self.step_model.ready:
             self._resolve_targets()
-        if self.proposers:
-            self._propose()
-        if self._grammars is not None:
-            self.guesses.add_forced(self.scheduler.running)
+        self._propose()
         expired = self._expire_waiting()
         batch = self.scheduler.schedule()
         if not batch.items:
             return expired
+        guesses = self._started(batch.items)
+        run = self._run(batch.items)
+        outputs = expired + self._fail_step_errors(run)
+        emitted = self._accept_all(run, outputs)
+        self._retire(run)
+        if run.clean:  # retries are no measure of what a step costs
+            self._time_step(batch, guesses, time.perf_counter() - start, emitted)
+        return outputs
+
+    def _propose(self) -> None:
+        """Guess the next tokens of the running requests: their lanes' proposals, or the
+        tokens their grammars force."""
+        if self.proposers:
+            self._propose_guesses()
+        if self._grammars is not None:
+            self.guesses.add_forced(self.scheduler.running)
+
+    def _started(self, items: list[tuple[Request, int]]) -> StepGuesses:
+        """Mark the scheduled requests' first scheduling; the step's guesses, before it runs."""
         self.num_steps += 1
         now = time.perf_counter()
-        for req, _ in batch.items:
+        for req, _ in items:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
-        guesses = sum(len(req.draft_ids) for req, _ in batch.items)
-        # a request's first guesses include a draft model's prefill of its prompt: a one-time
-        # cost (like the target's prefill), not what a step with guesses costs
-        first_guesses = any(req.draft_ids and not req.spec_verifications for req, _ in batch.items)
-        masks = self._grammars.start(batch.items) if self._grammars is not None else None
+        return StepGuesses.of(req for req, _ in items)
+
+    def _run(self, items: list[tuple[Request, int]]) -> StepRun:
+        """The model step, grammar masks included, without the requests that raise."""
+        masks = self._grammars.start(items) if self._grammars is not None else None
         self.runner.sampler.masks = masks  # on a GPU, filled during the forward pass
-        run = run_isolated(self.runner.step, batch.items)  # without the requests that raise
-        outputs = expired + self._fail_step_errors(run)
+        return run_isolated(self.runner.step, items)
+
+    def _accept_all(self, run: StepRun, outputs: list[RequestOutput]) -> int:
+        """Append each request's output to `outputs`; the number of tokens emitted."""
         for req, n in run.items:
-            req.num_computed_tokens += n - len(req.draft_ids)
+            req.num_computed_tokens += n - len(req.spec.guesses)
         row = emitted = 0
         for req, rows in run.samples:
             outputs.append(self._emit(req, run.result, row, rows))
             row += rows
             emitted += len(outputs[-1].new_token_ids)
+        return emitted
+
+    def _retire(self, run: StepRun) -> None:
+        """Cache the step's full blocks; take the finished requests out."""
         for req, _ in run.items:
             if req.finish_reason != "error":  # a request that failed may hold partial KV
                 self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
             if req.is_finished:
                 self._remove(req)
                 self.requests.pop(req.request_id, None)
-        if not run.clean:
-            return outputs  # retries are no measure of what a step costs
-        seconds = time.perf_counter() - start
+
+    def _time_step(
+        self, batch: ScheduledBatch, guesses: StepGuesses, seconds: float, emitted: int
+    ) -> None:
+        """What the step cost: for the step-latency model and speculation's payoff."""
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
-        decodes_only = batch.num_tokens == len(batch.items) + guesses
-        if self.proposers and decodes_only and not first_guesses:
-            self.spec_payoff.record(len(batch.items), guesses > 0, seconds, emitted)
-        return outputs
+        if self.proposers:
+            self.spec_payoff.record_step(
+                guesses, len(batch.items), batch.num_tokens, seconds, emitted
+            )
 
     # -- faults -------------------------------------------------------------------------
 
-    def _propose(self) -> None:
-        """Guess the next tokens. Guesses are optional: when a proposer raises, this step
-        runs without any (a proposer's per-request state is synced again before its next
-        proposal)."""
+    def _propose_guesses(self) -> None:
+        """Guesses are optional: when a proposer raises, this step runs without any (a
+        proposer's per-request state is synced again before its next proposal)."""
         try:
             self.guesses.propose(self.scheduler.running)
         except Exception:
             log.exception("speculative proposal failed: the step runs without guesses")
             for req in self.scheduler.running:
-                req.keep_guesses(0)
-                req.draft_probs = None
+                req.spec.clear_guesses()
 
     def _emit(self, req: Request, result, row: int, rows: int) -> RequestOutput:
         """The request's output for its sampled rows; an error output, for this request
@@ -322,32 +346,24 @@ class LLMEngine:
     def _accept(self, req: Request, result, row: int, rows: int) -> int:
         """Append the sampled token, or for speculation the guesses the model agrees with
         plus its own next token. Returns how many tokens were appended."""
-        drafts, req.draft_ids = req.draft_ids, []
+        guesses = req.spec.take_guesses()
         appended = 0
         for j in range(rows):
             token = result.token_ids[row + j]
             lp = result.logprobs[row + j] if result.logprobs else None
             self.outputs.append_token(req, token, lp)
             appended += 1
-            if req.is_finished or j == len(drafts) or token != drafts[j]:
+            if req.is_finished or j == len(guesses) or token != guesses[j]:
                 break
-        if drafts:
+        if guesses:
             # KV is valid up to the last accepted guess; roll back the rest.
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
-            req.spec_verifications += 1
-            proposed = len(drafts) - req.draft_padding  # pads are not guesses
-            kept = min(appended - 1, proposed)
-            req.draft_padding = 0
-            spec = None if req.draft_forced else self.proposers.get(req.priority)
-            req.draft_forced = False
-            if proposed and spec is not None:
-                self.spec_stats.record(proposed, kept)
-                self.lane_spec_stats[req.lane].record(proposed, kept)
-                spec.acceptance.record(req.spec_tallies, req.draft_kind, kept, proposed)
-        if req.priority in self.proposers:
-            rates = self.scheduler.tokens_per_step
-            rates[req.priority] = 0.95 * rates.get(req.priority, 1.0) + 0.05 * appended
+            counters = (self.spec_stats, self.lane_spec_stats[req.lane])
+            spec_config = self.proposers.get(req.lane)
+            record_verification(req.spec, spec_config, len(guesses), appended, counters)
+        if req.lane in self.proposers:
+            self.scheduler.observe_tokens_per_step(req.lane, appended)
         return appended
 
     # -- step-latency model ---------------------------------------------------------------

@@ -153,12 +153,12 @@ class GrammarMatchers:
         rows, plain, guessed, total = {}, [], [], 0
         for req in sampled:
             rows[id(req)] = total
-            guesses = req.draft_ids[: req.matcher.validate_tokens(req.draft_ids)]
+            guesses = req.spec.guesses[: req.matcher.validate_tokens(req.spec.guesses)]
             if guesses:
                 guessed.append((req.matcher, total, guesses))
             else:
                 plain.append((req.matcher, total))
-            total += len(req.draft_ids) + 1  # rows past an invalid guess stay unconstrained
+            total += len(req.spec.guesses) + 1  # rows past an invalid guess stay unconstrained
         bitmask = torch.full((total, _words(self.vocab_size)), -1, dtype=torch.int32)
         if not self.overlap:
             self._fill(plain, guessed, bitmask)

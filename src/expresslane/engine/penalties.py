@@ -82,7 +82,7 @@ def _penalize(logits: torch.Tensor, reqs: list[Request], offsets: list[int]) -> 
     unique = list({id(r): r for r in reqs}.values())
     row_owner = torch.tensor([owner[id(r)] for r in reqs], device=dev)
     counts = token_counts([r.output_token_ids for r in unique], vocab, dev)[row_owner]
-    guesses = [r.draft_ids[:j] for r, j in zip(reqs, offsets, strict=True)]
+    guesses = [r.spec.guesses[:j] for r, j in zip(reqs, offsets, strict=True)]
     if any(guesses):
         counts += token_counts(guesses, vocab, dev)
 

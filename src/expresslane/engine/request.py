@@ -5,14 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from expresslane.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from expresslane.spec.acceptance import Tally
+from expresslane.spec.state import SpecState
 
 
 class Status(enum.Enum):
@@ -54,7 +51,6 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        priority: int = 0,
         lane: str = "default",
         eos_token_ids: frozenset[int] = frozenset(),
         prompt: str | None = None,
@@ -64,8 +60,7 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.priority = priority  # the lane's rank: lower is scheduled first (as in vLLM)
-        self.lane = lane
+        self.lane = lane  # its lane's name (lanes.py): the scheduler orders by the lane's rank
         self.turn = 0  # when the scheduler last ran it (for round robin)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -82,13 +77,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.cache_salt = cache_salt  # the chain's root: only equal salts share cached blocks
-        self.draft_ids: list[int] = []  # speculative guesses to verify in the next step
-        self.draft_probs: torch.Tensor | None = None  # [guesses, vocab] q they were drawn from
-        self.draft_kind = 0  # the proposal's kind (spec/proposal.py)
-        self.draft_padding = 0  # filler tokens ending draft_ids (engine/guesses.py)
-        self.draft_forced = False  # draft_ids are what its grammar forces, not a proposal
-        self.spec_tallies: dict[int, Tally] = {}  # its verified guesses per proposal kind
-        self.spec_verifications = 0  # steps that verified its guesses
+        self.spec = SpecState()  # its speculative guesses and their record (spec/state.py)
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []
@@ -98,12 +87,6 @@ class Request:
         )
         self.detok = None  # set by the engine's output processor
         self.matcher = None  # its grammar's llguidance matcher (engine/grammar.py)
-
-    def keep_guesses(self, n: int) -> None:
-        """Drop all but the first n guesses (pads, at the end, go first)."""
-        real = len(self.draft_ids) - self.draft_padding
-        del self.draft_ids[n:]
-        self.draft_padding = max(0, len(self.draft_ids) - real)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +103,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def sort_key(self) -> tuple[int, float]:
-        return (self.priority, self.metrics.arrival)

@@ -69,8 +69,8 @@ class RequestFactory:
         """Validate and tokenize; raises InvalidRequestError. Requests share cached prompt
         prefixes only with requests of the same `cache_salt` (None: with every request
         without one)."""
-        spec = self.lanes.get(lane)
-        if spec is None or not spec.enabled:
+        served = self.lanes.get(lane)
+        if served is None or not served.enabled:
             enabled = [name for name, la in self.lanes.items() if la.enabled]
             raise InvalidRequestError(
                 f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
@@ -83,7 +83,6 @@ class RequestFactory:
             request_id if request_id is not None else f"req-{next(_ids)}",
             ids,
             params,
-            priority=spec.rank,
             lane=lane,
             eos_token_ids=self.eos_token_ids,
             prompt=text,

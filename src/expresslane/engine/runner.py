@@ -77,7 +77,7 @@ class ModelRunner:
         """Order the batch and build (input_ids, positions, metadata, logits rows, samples).
 
         `samples` lists (request, rows): the request's last known token is sampled, plus one
-        row per speculative guess in `draft_ids` (those tokens are scored in the same pass).
+        row per speculative guess in `req.spec.guesses` (those tokens are scored in the same pass).
         With `prompt_rows`, the logits rows end with the prompt positions whose logprobs
         requests ask for, and `prompt_rows` gets (request, first position, count) for them."""
         q_len = items[0][1] if items else 0
@@ -99,7 +99,7 @@ class ModelRunner:
             row0 = len(ids)
             tokens = req.token_ids[start:end]
             ids.extend(tokens)
-            ids.extend(req.draft_ids[: n - len(tokens)])
+            ids.extend(req.spec.guesses[: n - len(tokens)])
             positions.append(np.arange(start, end))
             slot_parts.append(self.slots(req, start, end))
             if n > 1 and id(req) not in uniform:
@@ -141,7 +141,7 @@ class ModelRunner:
         positions = starts[:, None] + np.arange(q_len)  # [B, q_len]
         rows = np.arange(len(reqs))[:, None]
         meta.slot_mapping = torch.from_numpy(slots[rows, positions].reshape(-1)).to(dev)
-        ids = [t for r in reqs for t in (r.token_ids[-1], *r.draft_ids[: q_len - 1])]
+        ids = [t for r in reqs for t in (r.token_ids[-1], *r.spec.guesses[: q_len - 1])]
         ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(positions.reshape(-1)).to(dev)
         return ids, positions, meta, None, [(r, q_len) for r in reqs]

@@ -77,7 +77,7 @@ class Sampler:
     ) -> SampleResult:
         """logits: float32 [B, V], one row per request, or with `offsets` several: row i is
         position offsets[i] of its request's verification window, where it scores the guess
-        draft_ids[offsets[i]] (the last row has no guess: the bonus token)."""
+        spec.guesses[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
         logits = self._mask_early_stops(logits, reqs)
         logits = self._mask_grammar(logits, reqs, offsets, raw)
@@ -163,10 +163,10 @@ class Sampler:
         drawn from max(0, p - q), renormalized. Either way the token follows p exactly. A
         proposer without probabilities (n-gram lookup) has q = one-hot(d)."""
         for i, (r, j) in enumerate(zip(reqs, offsets, strict=True)):
-            if j >= len(r.draft_ids):
+            if j >= len(r.spec.guesses):
                 continue  # the bonus row: a plain draw
-            d = r.draft_ids[j]
-            q = r.draft_probs[j] if r.draft_probs is not None else None
+            d = r.spec.guesses[j]
+            q = r.spec.guess_probs[j] if r.spec.guess_probs is not None else None
             q_d = 1.0 if q is None else float(q[d])
             gen = self.generator_for(r)
             u = float(torch.rand((), generator=gen, device=probs.device))

@@ -64,20 +64,40 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.lanes = lanes or build_lanes(None)
-        self.rank_lane = {lane.rank: lane for lane in self.lanes.values()}
+        self.lane_order = sorted(self.lanes, key=lambda name: self.lanes[name].rank)
         self.step_model = step_model or StepLatencyModel()
-        # Resolved per-token targets (tokens/s) of lanes that have one; set by the engine.
-        self.targets: dict[int, float] = {}
-        self.tokens_per_step: dict[int, float] = {}  # mean accepted tokens per step, per rank
-        self.waiting: list[Request] = []  # sorted by (rank, arrival)
+        # Resolved per-request targets (tokens/s) of the lanes that have one (`set_target`).
+        self.targets: dict[str, float] = {}
+        # mean tokens a request gains per step, per speculating lane (`observe_tokens_per_step`)
+        self.tokens_per_step: dict[str, float] = {}
+        self.waiting: list[Request] = []  # sorted by (lane rank, arrival)
         self.running: list[Request] = []
         self.num_steps = 0
         self._turns = itertools.count(1)  # a request's turn: when it was last scheduled
 
+    def set_target(self, lane: str, tokens_per_s: float | None) -> None:
+        """Hold `lane`'s requests at `tokens_per_s` each (None: no target)."""
+        if tokens_per_s is None:
+            self.targets.pop(lane, None)
+        else:
+            self.targets[lane] = tokens_per_s
+
+    def observe_tokens_per_step(self, lane: str, tokens: int) -> None:
+        """A request of a speculating `lane` gained `tokens` in a step (a running mean)."""
+        mean = self.tokens_per_step.get(lane, 1.0)
+        self.tokens_per_step[lane] = 0.95 * mean + 0.05 * tokens  # the past fades by 5% a step
+
+    def rank(self, req: Request) -> int:
+        """Its lane's scheduling order: lower ranks are scheduled first (as in vLLM)."""
+        return self.lanes[req.lane].rank
+
+    def order_key(self, req: Request) -> tuple[int, float]:
+        return (self.rank(req), req.metrics.arrival)
+
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
         req.metrics.queued = time.perf_counter()
-        bisect.insort(self.waiting, req, key=Request.sort_key)
+        bisect.insort(self.waiting, req, key=self.order_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,9 +116,9 @@ class Scheduler:
         starts only as the others finish, so capping them on its behalf would starve all)."""
         limit = None
         for req in (*self.running, *self._startable()):
-            target = self.targets.get(req.priority)
+            target = self.targets.get(req.lane)
             if target is not None:
-                tokens = self.tokens_per_step.get(req.priority, 1.0)
+                tokens = self.tokens_per_step.get(req.lane, 1.0)
                 per_step = STEP_HEADROOM * tokens / target
                 limit = per_step if limit is None else min(limit, per_step)
         return limit if self.step_model.ready else None
@@ -106,12 +126,11 @@ class Scheduler:
     def _startable(self) -> list[Request]:
         if len(self.running) >= self.max_num_seqs:
             return []
-        running = _count_by_rank(self.running)
+        running = _count_by_lane(self.running)
         return [
             r
             for r in self.waiting
-            if r.priority in self.targets
-            and running.get(r.priority, 0) < self.rank_lane[r.priority].max_batch
+            if r.lane in self.targets and running.get(r.lane, 0) < self.lanes[r.lane].max_batch
         ]
 
     def schedule(self) -> ScheduledBatch:
@@ -120,29 +139,29 @@ class Scheduler:
         self._make_room_for_waiting(batch)
         limit = self.step_time_limit()
         scheduled: set[int] = set()
-        order = sorted(self.running, key=_running_order)
+        order = sorted(self.running, key=self._running_order)
         out_of_blocks = admission_closed = False
         lower_cap: float | None = None  # set once the targeted lanes are scheduled
-        for rank in sorted(self.rank_lane):
-            if rank in self.targets:
+        for lane in self.lane_order:
+            if lane in self.targets:
                 cap = None
             else:
                 if lower_cap is None:
                     lower_cap = self._lower_lane_cap(batch, limit)
                 cap = lower_cap
             for req in order:
-                if req.priority != rank or req.status is not Status.RUNNING:
+                if req.lane != lane or req.status is not Status.RUNNING:
                     continue  # another lane, or preempted earlier in this step
                 budget = self.max_num_batched_tokens - batch.num_tokens
                 if budget <= 0:
                     break
                 todo = req.num_tokens - req.num_computed_tokens
-                n = min(todo + len(req.draft_ids), budget)
+                n = min(todo + len(req.spec.guesses), budget)
                 if cap is not None:
                     n = self._fit(batch, req, n, cap)
                     if n == 0:
                         continue  # capped this step; it keeps its blocks and its turn
-                req.keep_guesses(max(0, n - todo))  # guesses beyond the budget are dropped
+                req.spec.keep_guesses(max(0, n - todo))  # guesses beyond the budget are dropped
                 while not self.kv.allocate(req, req.num_computed_tokens + n):
                     out_of_blocks = True
                     victim = self._pick_victim(order, scheduled)
@@ -157,7 +176,7 @@ class Scheduler:
             # A lane's new requests come before the next lane's running ones, and never
             # jump ahead of a better lane that could not admit its own.
             if not (out_of_blocks or admission_closed):
-                admission_closed = self._admit(batch, rank, cap)
+                admission_closed = self._admit(batch, lane, cap)
         return batch
 
     def _lower_lane_cap(self, batch: ScheduledBatch, limit: float | None) -> float | None:
@@ -173,12 +192,12 @@ class Scheduler:
         ctx = batch.context_tokens + req.num_computed_tokens
         return self.step_model.most_tokens(len(batch.items) + 1, batch.num_tokens, ctx, n, limit)
 
-    def _admit(self, batch: ScheduledBatch, rank: int, cap: float | None) -> bool:
+    def _admit(self, batch: ScheduledBatch, lane: str, cap: float | None) -> bool:
         """Admit waiting requests of one lane; True if admission stopped for lack of
         budget, sequence slots, blocks or step time (so later lanes must wait too)."""
-        lane_running = sum(r.priority == rank for r in self.running)
-        for req in [r for r in self.waiting if r.priority == rank]:
-            if lane_running >= self.rank_lane[rank].max_batch:
+        lane_running = sum(r.lane == lane for r in self.running)
+        for req in [r for r in self.waiting if r.lane == lane]:
+            if lane_running >= self.lanes[lane].max_batch:
                 return False  # this lane is full; the next one may still have room
             budget = self.max_num_batched_tokens - batch.num_tokens
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -204,12 +223,12 @@ class Scheduler:
 
     def _make_room_for_waiting(self, batch: ScheduledBatch) -> None:
         """Preempt preemptible requests that stand in the way of a better-ranked waiting one."""
-        running_by_rank = _count_by_rank(self.running)
+        running_by_lane = _count_by_lane(self.running)
         head = next(
             (
                 r
                 for r in self.waiting
-                if running_by_rank.get(r.priority, 0) < self.rank_lane[r.priority].max_batch
+                if running_by_lane.get(r.lane, 0) < self.lanes[r.lane].max_batch
             ),
             None,
         )
@@ -217,14 +236,15 @@ class Scheduler:
             return
         need = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
         while len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need:
+            head_rank = self.rank(head)
             victims = [
                 r
                 for r in self.running
-                if r.priority > head.priority and self.rank_lane[r.priority].preemptible
+                if self.rank(r) > head_rank and self.lanes[r.lane].preemptible
             ]
             if not victims:
                 return
-            victim = max(victims, key=Request.sort_key)
+            victim = max(victims, key=self.order_key)
             self._preempt(victim)
             batch.preempted.append(victim)
 
@@ -233,26 +253,26 @@ class Scheduler:
         candidates = [r for r in order if r.status is Status.RUNNING and id(r) not in scheduled]
         if not candidates:
             raise RuntimeError("KV cache too small for the requests scheduled in one step")
-        return max(candidates, key=Request.sort_key)
+        return max(candidates, key=self.order_key)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.keep_guesses(0)
+        req.spec.keep_guesses(0)
         self.kv.release(req)
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
         self.add(req)
 
+    def _running_order(self, req: Request) -> tuple[int, bool, int, float]:
+        # Decodes take turns (least recently scheduled first, in the order they ran) when a
+        # cap leaves some out; prompt chunks stay first come, first served, finishing prompts
+        # soonest.
+        prefill = req.num_tokens - req.num_computed_tokens > 1
+        return (self.rank(req), prefill, 0 if prefill else req.turn, req.metrics.arrival)
 
-def _count_by_rank(reqs: list[Request]) -> dict[int, int]:
-    counts: dict[int, int] = {}
+
+def _count_by_lane(reqs: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
     for r in reqs:
-        counts[r.priority] = counts.get(r.priority, 0) + 1
+        counts[r.lane] = counts.get(r.lane, 0) + 1
     return counts
-
-
-def _running_order(req: Request) -> tuple[int, bool, int, float]:
-    # Decodes take turns (least recently scheduled first, in the order they ran) when a cap
-    # leaves some out; prompt chunks stay first come, first served, finishing prompts soonest.
-    prefill = req.num_tokens - req.num_computed_tokens > 1
-    return (req.priority, prefill, 0 if prefill else req.turn, req.metrics.arrival)

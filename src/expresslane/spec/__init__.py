@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from expresslane.engine.request import Request
 from expresslane.spec.acceptance import LaneAcceptance
 from expresslane.spec.ngram import NgramProposer
 from expresslane.spec.proposal import Proposal
+
+if TYPE_CHECKING:
+    from expresslane.engine.request import Request
 
 # Running batch above which speculation stops paying (verification makes every sequence k+1
 # tokens wide). CPU: measured with n-gram lookup on the demo model (benchmarks/spec.py,

@@ -5,8 +5,12 @@ an index of its n-grams that grows with its tokens, so a lookup is a few diction
 
 from __future__ import annotations
 
-from expresslane.engine.request import Request
+from typing import TYPE_CHECKING
+
 from expresslane.spec.proposal import Proposal
+
+if TYPE_CHECKING:
+    from expresslane.engine.request import Request
 
 
 class NgramIndex:

@@ -18,7 +18,12 @@ steps of a process's first requests hundreds of steps later, and keep its verdic
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from expresslane.engine.request import Request
 
 
 @dataclass
@@ -44,6 +49,24 @@ class _Arm:
         w = max(faded, 1.0 / self.samples)  # a plain mean until the window fills
         self.seconds += w * (seconds - self.seconds)
         self.tokens += w * (tokens - self.tokens)
+
+
+@dataclass
+class StepGuesses:
+    """A scheduled step's guesses, counted before it runs (accepting them empties them)."""
+
+    count: int  # over the batch, pads included
+    # a request's first guesses include a draft model's prefill of its prompt: a one-time cost
+    # (like the target's prefill), not what a step with guesses costs
+    first: bool
+
+    @classmethod
+    def of(cls, reqs: Iterable[Request]) -> StepGuesses:
+        reqs = list(reqs)
+        return cls(
+            sum(len(r.spec.guesses) for r in reqs),
+            any(r.spec.guesses and not r.spec.verifications for r in reqs),
+        )
 
 
 @dataclass
@@ -98,3 +121,11 @@ class SpecPayoff:
         if tokens > 0:
             bucket = self._bucket(batch)
             bucket.arms[speculated].add(seconds, tokens, self.weight, bucket.decisions)
+
+    def record_step(
+        self, guesses: StepGuesses, seqs: int, num_tokens: int, seconds: float, tokens: int
+    ) -> None:
+        """A step of `seqs` sequences and `num_tokens` tokens: timed when it only decoded
+        (each sequence its last token and its guesses) and held no request's first guesses."""
+        if num_tokens == seqs + guesses.count and not guesses.first:
+            self.record(seqs, guesses.count > 0, seconds, tokens)
