@@ -140,6 +140,26 @@ def test_bad_config_values(capsys, tmp_path, toml, says):
     assert says in _one_line_error(capsys, ["serve", "--config", str(config)])
 
 
+def test_flags_win_over_the_config_file_even_at_their_defaults(tmp_path, monkeypatch):
+    import expresslane.server.serve as serve_module
+
+    loaded = []
+    monkeypatch.setattr(serve_module, "_load", loaded.append)  # returns None: serve stops
+    config = tmp_path / "expresslane.toml"
+    config.write_text(
+        '[engine]\nmax_batch = 8\nkv_cache_dtype = "fp8"\nmax_num_batched_tokens = 256\n'
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    flags = ["--max-batch", "64", "--kv-cache-dtype", "auto", "--port", port]
+    main(["serve", "--config", str(config), *flags])
+    (engine,) = loaded
+    assert (engine.max_batch, engine.kv_cache_dtype) == (64, "auto")  # the flags, as given
+    assert engine.max_num_batched_tokens == 256  # the file, where no flag was given
+    assert engine.enable_prefix_caching and engine.device == "auto"  # EngineConfig's defaults
+
+
 def test_busy_port_is_found_before_the_model_loads(capsys, monkeypatch):
     import expresslane.server.serve as serve_module
 

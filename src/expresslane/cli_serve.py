@@ -13,10 +13,10 @@ from expresslane.cli_types import LOG_LEVELS, existing_file, non_negative_int, o
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from expresslane.cli import _engine_options
+    from expresslane.cli_engine import engine_options
     from expresslane.server.serve import serve
 
-    return serve(args, _engine_options(args))
+    return serve(args, engine_options(args))
 
 
 def add_serve_command(sub, engine_args) -> None:

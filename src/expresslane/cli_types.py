@@ -87,9 +87,39 @@ def existing_file(text: str) -> str:
     return text
 
 
-def lane_setting(text: str) -> str:
-    from expresslane.cli import parse_lane_flags
+def parse_lane_flags(flags: list[str]) -> dict:
+    """['ultrafast.max_batch=2', ...] -> {'ultrafast': {'max_batch': 2}}; values are TOML."""
+    from expresslane.server.settings import tomllib
 
+    lanes: dict = {}
+    for flag in flags:
+        name, eq, value = flag.partition("=")
+        lane, dot, setting = name.partition(".")
+        if not (eq and dot and lane and setting):
+            raise ValueError(f"{flag!r}: expected LANE.SETTING=VALUE")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word, e.g. auto
+        lanes.setdefault(lane, {})[setting] = parsed
+    return lanes
+
+
+def parse_speculative_flag(value: str | None) -> dict | None:
+    """'ngram' / 'draft' / a TOML inline table -> the `speculative` option."""
+    from expresslane.server.settings import tomllib
+
+    if value is None:
+        return None
+    if value.strip().startswith("{"):
+        try:
+            return tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{value!r} is not a TOML table: {e}") from None
+    return {"method": value}
+
+
+def lane_setting(text: str) -> str:
     try:
         parse_lane_flags([text])
     except ValueError as e:
@@ -98,8 +128,6 @@ def lane_setting(text: str) -> str:
 
 
 def speculative(text: str) -> str:
-    from expresslane.cli import parse_speculative_flag
-
     try:
         parse_speculative_flag(text)
     except ValueError as e:

@@ -20,16 +20,13 @@ UVICORN_GRACE_S = 2.0
 
 
 def merged_engine_options(args, cli_options: dict) -> dict:
-    """Config-file [engine] values, overridden by flags that differ from their defaults."""
-    from expresslane.cli import _engine_options, build_parser
-
-    defaults = _engine_options(build_parser().parse_args(["serve"]))
+    """Config-file [engine] values, overridden by the flags given (`cli_engine.py`)."""
     options = engine_options_from_toml(getattr(args, "config", None))
     for key, value in cli_options.items():
         if key == "lanes":  # per setting: flags over the file
             for lane, settings in value.items():
                 options.setdefault("lanes", {}).setdefault(lane, {}).update(settings)
-        elif key not in options or value != defaults.get(key):
+        else:
             options[key] = value
     return options
 
@@ -70,7 +67,7 @@ def engine_config(args, engine_options: dict):
         raise ValueError(f"[engine] model: {model_dir_problem(model)}")
     problem = device_problem(config.device)
     if problem:
-        where = "argument --device" if args.device != "auto" else "[engine] device"
+        where = "argument --device" if args.device is not None else "[engine] device"
         raise ValueError(f"{where}: {problem}")
     return config
 
