@@ -10,6 +10,11 @@ from pathlib import Path
 
 from expresslane import names
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DTYPES = ("auto", *names.DTYPES)
 
@@ -89,8 +94,6 @@ def existing_file(text: str) -> str:
 
 def parse_lane_flags(flags: list[str]) -> dict:
     """['ultrafast.max_batch=2', ...] -> {'ultrafast': {'max_batch': 2}}; values are TOML."""
-    from expresslane.server.settings import tomllib
-
     lanes: dict = {}
     for flag in flags:
         name, eq, value = flag.partition("=")
@@ -107,8 +110,6 @@ def parse_lane_flags(flags: list[str]) -> dict:
 
 def parse_speculative_flag(value: str | None) -> dict | None:
     """'ngram' / 'draft' / a TOML inline table -> the `speculative` option."""
-    from expresslane.server.settings import tomllib
-
     if value is None:
         return None
     if value.strip().startswith("{"):

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
@@ -28,35 +28,6 @@ _FUSED = {
     "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    missing = [str(f) for f in files if not f.is_file()]
-    if not files or missing:
-        raise ModelLoadError(
-            f"no weights to load in {model_dir}: expected model.safetensors or the shards "
-            f"listed in model.safetensors.index.json{_missing_note(missing)}"
-        )
-    return files
-
-
-def _missing_note(missing: list[str]) -> str:
-    return f" (missing: {', '.join(missing)})" if missing else ""
-
-
-def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name] = sf.get_tensor(name)
-    return tensors
 
 
 def fuse_weights(

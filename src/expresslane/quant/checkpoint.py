@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.quant.formats import FORMATS, Fp4Tensor, quantize
 from expresslane.quant.linear import Fp4Weight
@@ -74,8 +75,6 @@ def quantize_tensors(
 
 def quantize_checkpoint(src: Path, dst: Path, fmt_name: str, skip=DEFAULT_SKIP) -> dict:
     """`expresslane quantize`: write an FP4 copy of the checkpoint at `src` to `dst`."""
-    from expresslane.models.loader import read_checkpoint
-
     config = json.loads((src / "config.json").read_text())
     out, summary = quantize_tensors(read_checkpoint(src), config, fmt_name, tuple(skip))
     dst.mkdir(parents=True, exist_ok=True)
