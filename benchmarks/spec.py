@@ -30,17 +30,13 @@ from pathlib import Path
 
 from common import machine, save_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import eval_demo_model as E  # noqa: E402
-
+# The repository root, for the `scripts` package: the workloads are the held-out functions
+# that scripts/eval_demo_model.py picks. Run as `python benchmarks/spec.py`, sys.path[0] is
+# benchmarks/ alone.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from expresslane import LLM, SamplingParams  # noqa: E402
 from expresslane.spec.stats import SpecStats  # noqa: E402
-
-
-def workloads(n: int, seed: int = 0) -> dict[str, list[str]]:
-    functions = E.pick_functions(E.heldout_sources(), 4 * n, seed)
-    complete = [fn["header"] for fn in functions[:n]]
-    return {"edit": E.edit_prompts(functions, n), "complete": complete}
+from scripts.eval_demo_model import spec_workloads as workloads  # noqa: E402
 
 
 def modes(k: int) -> dict[str, dict | None]:

@@ -7,19 +7,17 @@
   copy against the first. This is the classic test for induction heads, which prompt-lookup
   speculation (and copying a requested path into a tool call) rides on.
 
-    python scripts/copy_probe.py [MODEL_DIR ...]    # default: the bundled target
+    python -m scripts.copy_probe [MODEL_DIR ...]    # default: the bundled target
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_demo_model as E  # noqa: E402
+from scripts import eval_demo_model as E
 
 
 def token_losses(model, ids: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ greedy continuations of train-split prompts and fine-tunes the draft to predict 
    (spec/draft.py), and `distill.json` (arguments, data, losses, agreement, wall time).
    `--vocab-only` writes the vocabulary for the draft in `--init` without training.
 
-    python scripts/distill_draft.py --out-dir /tmp/draft_kd [--prompts 12000] [--epochs 2]
+    python -m scripts.distill_draft --out-dir /tmp/draft_kd [--prompts 12000] [--epochs 2]
 """
 
 from __future__ import annotations
@@ -41,12 +41,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_demo_model as E  # noqa: E402
-import train_demo_model as T  # noqa: E402
-
-from expresslane import LLM, SamplingParams  # noqa: E402
-from expresslane.demo import DRAFT_DIR, TARGET_DIR, demo_model_dir  # noqa: E402
+from expresslane import LLM, SamplingParams
+from expresslane.demo import DRAFT_DIR, TARGET_DIR, demo_model_dir
+from scripts import eval_demo_model as E
+from scripts import train_demo_model as T
 
 
 def train_prompts(n: int, seed: int) -> list[str]:
@@ -125,10 +123,8 @@ def greedy_vocab(pairs: list[tuple[list[int], list[int]]], n: int) -> list[int]:
 
 
 def heldout_pairs(max_tokens: int) -> dict[str, list[tuple[list[int], list[int]]]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import spec as S  # the benchmark's own workloads
-
-    return {name: target_continuations(p, max_tokens) for name, p in S.workloads(24).items()}
+    workloads = E.spec_workloads(24)  # benchmarks/spec.py's own workloads
+    return {name: target_continuations(p, max_tokens) for name, p in workloads.items()}
 
 
 def batches(pairs, batch_tokens: int, rng: random.Random):
@@ -243,7 +239,7 @@ def main() -> None:
     note = "tokens most frequent in distill_draft.py's training sequences (see distill.json)"
     (out / "draft_vocab.json").write_text(json.dumps({"note": note, "token_ids": vocab}) + "\n")
     record = {
-        "command": "python scripts/distill_draft.py " + " ".join(sys.argv[1:]),
+        "command": "python -m scripts.distill_draft " + " ".join(sys.argv[1:]),
         "args": {k: str(v) for k, v in vars(args).items()},
         "train_sequences": len(data),
         "train_target_tokens": sum(len(o) for _, o in data),

@@ -20,7 +20,7 @@ are independent of expresslane's own engine. For each model directory (``target`
 
 Writes ``eval.json`` next to the models and prints sample outputs.
 
-    python scripts/eval_demo_model.py [--model-dir src/expresslane/assets/demo] [--smoke]
+    python -m scripts.eval_demo_model [--model-dir src/expresslane/assets/demo] [--smoke]
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_demo_model as T  # noqa: E402
+from scripts import train_demo_model as T
 
 NEW_READ_ASKS = [
     "I'd like to see the source of {p}.",
@@ -115,6 +114,14 @@ def edit_prompts(functions: list[dict], n: int) -> list[str]:
     renamed version (no bare newline after it: see BENCHMARKS.md), for edit_pairs' functions."""
     pairs = edit_pairs(functions, n)
     return [f"{src}\n\n\n{renamed.split(chr(10), 1)[0]}" for src, renamed in pairs]
+
+
+def spec_workloads(n: int, seed: int = 0) -> dict[str, list[str]]:
+    """benchmarks/spec.py's held-out workloads (also distill_draft's agreement check): `edit`
+    (edit_prompts) and `complete` (the headers of the first n functions picked)."""
+    functions = pick_functions(heldout_sources(), 4 * n, seed)
+    complete = [fn["header"] for fn in functions[:n]]
+    return {"edit": edit_prompts(functions, n), "complete": complete}
 
 
 def dedent_cut(text: str) -> tuple[str, bool]:

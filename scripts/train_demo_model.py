@@ -83,13 +83,13 @@ Recipe
 
 Usage::
 
-    python scripts/train_demo_model.py                      # full run, about 62 min on 2 cores
-    python scripts/train_demo_model.py --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
-    python scripts/train_demo_model.py --target-steps N --draft-steps M    # fixed step counts
-    python scripts/train_demo_model.py --device cuda --target-steps N --draft-steps M  # on a GPU
+    python -m scripts.train_demo_model                      # full run, about 62 min on 2 cores
+    python -m scripts.train_demo_model --smoke --out-dir /tmp/demo_smoke   # 1-2 min pipeline test
+    python -m scripts.train_demo_model --target-steps N --draft-steps M    # fixed step counts
+    python -m scripts.train_demo_model --device cuda --target-steps N --draft-steps M  # on a GPU
       (on a GPU pass step counts or --max-steps: a time budget there buys far too many epochs)
-    python scripts/train_demo_model.py --init-from DIR --target-steps N --draft-steps M  # fine-tune
-    python scripts/eval_demo_model.py                        # held-out evaluation -> eval.json
+    python -m scripts.train_demo_model --init-from DIR --target-steps N --draft-steps M  # fine-tune
+    python -m scripts.eval_demo_model                        # held-out evaluation -> eval.json
 """
 
 from __future__ import annotations
@@ -989,7 +989,7 @@ class Data:
         return self.render(*self.factory.edit_chat(rng))
 
     def json_answer(self, rng: random.Random):
-        from json_answers import json_answer
+        from scripts.json_answers import json_answer
 
         return json_answer(rng, self.factory)
 
@@ -1110,7 +1110,7 @@ def make_optimizers(model, lr: float, kind: str, lr_scale: float = 1.0) -> list:
     ]
     opts = []
     if kind == "muon":
-        from muon import Muon
+        from scripts.muon import Muon
 
         muon_lr = MUON_LR * lr_scale
         opts.append(Muon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr))
@@ -1209,7 +1209,7 @@ def train_model(
         model.tie_weights()
         hp["warmup"] = FINETUNE_WARMUP
     if args.copy_heads:
-        import copy_heads
+        from scripts import copy_heads
 
         model.set_attn_implementation("eager")  # copy_heads supervises attention patterns
     model.to(args.device)
@@ -1513,7 +1513,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    command = "python scripts/train_demo_model.py " + " ".join(
+    command = "python -m scripts.train_demo_model " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     data = Data(args, work)
@@ -1547,7 +1547,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(
         seed=args.seed,
         command=command,
-        reproduce=f"python scripts/train_demo_model.py --seed {args.seed} "
+        reproduce=f"python -m scripts.train_demo_model --seed {args.seed} "
         + " ".join(replay_flags(name, results[name]) for name in results)
         + (f" --optimizer {args.optimizer}" if args.optimizer != "muon" else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")

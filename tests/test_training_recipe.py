@@ -4,28 +4,14 @@ the copy heads' attention targets."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from expresslane.tokenizer import Tokenizer
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_scripts_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-muon = load_script("muon")
+from scripts import copy_heads, muon
+from scripts import train_demo_model as train
 
 
 def test_orthogonalize_matches_svd_polar_factor():
@@ -63,7 +49,7 @@ def test_muon_minimizes_a_matrix_least_squares_problem():
 
 
 def test_chat_template_lists_tools_compactly_in_both_tool_shapes(llama_dir):
-    template = load_script("train_demo_model").CHAT_TEMPLATE
+    template = train.CHAT_TEMPLATE
     tok = Tokenizer(
         HFTokenizer.from_file(str(llama_dir / "tokenizer.json")),
         {"chat_template": template, "eos_token": "<|im_end|>"},
@@ -91,7 +77,6 @@ def test_edit_examples_repeat_a_freshly_renamed_function():
     import ast
     import random
 
-    train = load_script("train_demo_model")
     assert train.rename("x = xs.x + x_1(x)", {"x": "y"}) == "y = xs.x + x_1(y)"
     source = '''def scale(values, factor=2):
     """Multiply every value."""
@@ -119,9 +104,6 @@ def test_edit_examples_repeat_a_freshly_renamed_function():
         assert change["old"] in src and change["new"] in edited
         assert edited == train.rename(src, {change["old"]: change["new"]})
     assert kinds == {"function", "parameter"}
-
-
-copy_heads = load_script("copy_heads")
 
 
 def test_copy_head_targets_point_where_a_copying_circuit_looks():

@@ -31,7 +31,7 @@ def demo_model_dir(which: Path = TARGET_DIR) -> Path:
     log.warning(
         "the demo model's trained weights are not installed (%s): using random weights of "
         "its architecture; outputs will be meaningless. Train them with "
-        "scripts/train_demo_model.py or pass --model DIR.",
+        "python -m scripts.train_demo_model or pass --model DIR.",
         which,
     )
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))

@@ -3,9 +3,7 @@ exactly the text the model wrote (so the KV prefix cache serves the whole histor
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -22,7 +20,6 @@ from expresslane.server.prompt import (
 from expresslane.tokenizer import Tokenizer
 from expresslane.tool_parsers import HermesToolParser
 
-ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [
     {
         "name": "read_file",
@@ -37,13 +34,10 @@ def hermes_template() -> str:
     cfg = DEMO_MODEL_DIR / "tokenizer_config.json"
     if cfg.is_file():
         return json.loads(cfg.read_text())["chat_template"]
-    script = ROOT / "scripts" / "train_demo_model.py"
-    if not script.is_file():
-        pytest.skip("no Hermes chat template available")
-    spec = importlib.util.spec_from_file_location("_train_demo_model", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CHAT_TEMPLATE
+    train = pytest.importorskip(
+        "scripts.train_demo_model", reason="no Hermes chat template available"
+    )
+    return train.CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
