@@ -12,7 +12,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -56,34 +56,8 @@ def _markers_are_special(tokenizer, markers) -> bool:
 
 def create_app(async_engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    name, aliases = _model_names(async_engine)
-    name = settings.served_model_name or name
-    tokenizer = async_engine.tokenizer
-    if settings.tool_parser == "auto":
-        parser = detect_tool_parser(getattr(tokenizer, "chat_template_source", None))
-    else:
-        parser = get_tool_parser(settings.tool_parser)
-    if tokenizer is not None and _markers_are_special(tokenizer, parser.start_markers):
-        parser.needs_special_tokens = True  # keep them in the text so calls can be parsed
-    lanes = async_engine.lanes
-    accounts = Accounts(
-        settings.resolved_accounts_path(),
-        Prices.from_table(settings.prices),
-        lanes,
-        QueueLimits(settings.max_queued_per_lane, settings.max_in_flight_per_key),
-        api_key=settings.api_key,
-    )
-    state = ServerState(
-        engine=async_engine,
-        accounts=accounts,
-        settings=settings,
-        store=ResponseStore(settings.resolved_store_path()),
-        metrics=ServerMetrics(async_engine, name),
-        model_name=name,
-        tool_parser=parser,
-        model_aliases=aliases,
-    )
-
+    state = _server_state(async_engine, settings)
+    accounts = state.accounts
     lifecycle = Lifecycle(lambda: accounts.saturated(async_engine.lane_load))
 
     @contextlib.asynccontextmanager
@@ -98,56 +72,104 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.state.server = state
     app.state.lifecycle = lifecycle
     install_error_handlers(app)
+    _add_middleware(app, settings, accounts, lifecycle)
+    for module in (responses, websocket, chat, completions, tokenize):
+        app.include_router(module.router, responses=ERROR_RESPONSES)
+    app.include_router(_models, responses=ERROR_RESPONSES)
+    app.include_router(_operations)
+    install_pages(app)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _server_state(engine: ServingEngine, settings: ServerSettings) -> ServerState:
+    name, aliases = _model_names(engine)
+    name = settings.served_model_name or name
+    accounts = Accounts(
+        settings.resolved_accounts_path(),
+        Prices.from_table(settings.prices),
+        engine.lanes,
+        QueueLimits(settings.max_queued_per_lane, settings.max_in_flight_per_key),
+        api_key=settings.api_key,
+    )
+    return ServerState(
+        engine=engine,
+        accounts=accounts,
+        settings=settings,
+        store=ResponseStore(settings.resolved_store_path()),
+        metrics=ServerMetrics(engine, name),
+        model_name=name,
+        tool_parser=_tool_parser(settings, engine.tokenizer),
+        model_aliases=aliases,
+    )
+
+
+def _tool_parser(settings: ServerSettings, tokenizer):
+    if settings.tool_parser == "auto":
+        parser = detect_tool_parser(getattr(tokenizer, "chat_template_source", None))
+    else:
+        parser = get_tool_parser(settings.tool_parser)
+    if tokenizer is not None and _markers_are_special(tokenizer, parser.start_markers):
+        parser.needs_special_tokens = True  # keep them in the text so calls can be parsed
+    return parser
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings, accounts, lifecycle) -> None:
+    """Innermost first: the body limit, auth, the drain gate, CORS, the request log."""
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, accounts=accounts)
     app.add_middleware(DrainGate, lifecycle=lifecycle)
     if settings.allowed_origins:  # CORS: outside auth, so preflights need no key
         app.add_middleware(CORSMiddleware, **cors_options(settings.allowed_origins))
     app.add_middleware(RequestLog)  # outermost: an id and a log line for every answer
-    for module in (responses, websocket, chat, completions, tokenize):
-        app.include_router(module.router, responses=ERROR_RESPONSES)
 
-    def model_card(state: ServerState) -> dict:
-        return {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "expresslane",
-            "max_model_len": state.max_model_len,
-        }
 
-    @app.get("/v1/models", responses=ERROR_RESPONSES)
-    async def list_models(request: Request):
-        return {"object": "list", "data": [model_card(get_state(request))]}
+_models = APIRouter()
+_operations = APIRouter()  # liveness, readiness, metrics: no key needed
 
-    @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
-    async def retrieve_model(model_id: str, request: Request):
-        state = get_state(request)
-        state.check_model(model_id)
-        return model_card(state)
 
-    @app.get("/health")
-    async def health(request: Request):
-        engine = get_state(request).engine
-        if not engine.is_alive():
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return {"status": "ok"}
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "expresslane",
+        "max_model_len": state.max_model_len,
+    }
 
-    @app.get("/ready")
-    async def ready(request: Request):
-        why = readiness(get_state(request), request.app.state.lifecycle)
-        if why is not None:
-            return JSONResponse({"status": why}, status_code=503)
-        return {"status": "ready"}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        body = get_state(request).metrics.render()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+@_models.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(get_state(request))]}
 
-    install_pages(app)
-    app.openapi = lambda: _openapi(app)
-    return app
+
+@_models.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request):
+    state = get_state(request)
+    state.check_model(model_id)
+    return _model_card(state)
+
+
+@_operations.get("/health")
+async def health(request: Request):
+    engine = get_state(request).engine
+    if not engine.is_alive():
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@_operations.get("/ready")
+async def ready(request: Request):
+    why = readiness(get_state(request), request.app.state.lifecycle)
+    if why is not None:
+        return JSONResponse({"status": why}, status_code=503)
+    return {"status": "ready"}
+
+
+@_operations.get("/metrics")
+async def metrics(request: Request):
+    body = get_state(request).metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -126,84 +126,92 @@ def responses_input(
         )
     items: list[dict] = []
     messages: list[dict] = []
-    names = _tool_names(context)
+    names = _tool_names(context)  # call_id -> function name, growing as calls are read
     for i, item in enumerate(input):
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{p}' must be an object (an input item).", param=p, code="invalid_type")
         kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise invalid(
-                    f"'{p}.role' must be one of user, assistant, system, developer; got {role!r}.",
-                    param=f"{p}.role",
-                    code="invalid_value",
-                )
-            text = content_text(item.get("content"), f"{p}.content")
-            part_type = "output_text" if role == "assistant" else "input_text"
-            part = {"type": part_type, "text": text}
-            if role == "assistant":
-                part["annotations"] = []
-            items.append(
-                {
-                    "type": "message",
-                    "id": item.get("id") or new_id("msg"),
-                    "role": role,
-                    "content": [part],
-                    "status": "completed",
-                }
-            )
-            messages.append({"role": "system" if role == "developer" else role, "content": text})
-        elif kind == "function_call":
-            call_id = _require_str(item, "call_id", p)
-            name = _require_str(item, "name", p)
-            arguments = _require_str(item, "arguments", p)
-            items.append(
-                {
-                    "type": "function_call",
-                    "id": item.get("id") or new_id("fc"),
-                    "call_id": call_id,
-                    "name": name,
-                    "arguments": arguments,
-                    "status": "completed",
-                }
-            )
-            _add_call(messages, call_id, name, arguments)
-            names[call_id] = name
-        elif kind == "function_call_output":
-            call_id = _require_str(item, "call_id", p)
-            if call_id not in names:
-                raise invalid(
-                    f"No function call with call_id {call_id!r} precedes '{p}'; send "
-                    "the function_call item too, or use previous_response_id.",
-                    param=f"{p}.call_id",
-                    code="invalid_value",
-                )
-            output = item.get("output")
-            text = content_text(output, f"{p}.output")
-            items.append(
-                {
-                    "type": "function_call_output",
-                    "id": item.get("id") or new_id("fco"),
-                    "call_id": call_id,
-                    "output": output,
-                    "status": "completed",
-                }
-            )
-            messages.append(
-                {"role": "tool", "tool_call_id": call_id, "name": names[call_id], "content": text}
-            )
-        elif kind == "reasoning":
+        if kind == "reasoning":
             continue  # this model does not reason; replayed reasoning items are dropped
-        else:
+        read = _INPUT_ITEMS.get(kind)
+        if read is None:
             raise invalid(
                 f"'{p}.type' {kind!r} is not supported; use message, function_call "
                 "or function_call_output items.",
                 param=f"{p}.type",
                 code="unsupported_item_type",
             )
+        items.append(read(item, p, messages, names))
     return items, messages
+
+
+def _input_message(item: dict, p: str, messages: list[dict], names: dict) -> dict:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise invalid(
+            f"'{p}.role' must be one of user, assistant, system, developer; got {role!r}.",
+            param=f"{p}.role",
+            code="invalid_value",
+        )
+    text = content_text(item.get("content"), f"{p}.content")
+    part = {"type": "output_text" if role == "assistant" else "input_text", "text": text}
+    if role == "assistant":
+        part["annotations"] = []
+    messages.append({"role": "system" if role == "developer" else role, "content": text})
+    return {
+        "type": "message",
+        "id": item.get("id") or new_id("msg"),
+        "role": role,
+        "content": [part],
+        "status": "completed",
+    }
+
+
+def _input_function_call(item: dict, p: str, messages: list[dict], names: dict) -> dict:
+    call_id = _require_str(item, "call_id", p)
+    name = _require_str(item, "name", p)
+    arguments = _require_str(item, "arguments", p)
+    _add_call(messages, call_id, name, arguments)
+    names[call_id] = name
+    return {
+        "type": "function_call",
+        "id": item.get("id") or new_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def _input_function_call_output(item: dict, p: str, messages: list[dict], names: dict) -> dict:
+    call_id = _require_str(item, "call_id", p)
+    if call_id not in names:
+        raise invalid(
+            f"No function call with call_id {call_id!r} precedes '{p}'; send "
+            "the function_call item too, or use previous_response_id.",
+            param=f"{p}.call_id",
+            code="invalid_value",
+        )
+    output = item.get("output")
+    text = content_text(output, f"{p}.output")
+    messages.append(
+        {"role": "tool", "tool_call_id": call_id, "name": names[call_id], "content": text}
+    )
+    return {
+        "type": "function_call_output",
+        "id": item.get("id") or new_id("fco"),
+        "call_id": call_id,
+        "output": output,
+        "status": "completed",
+    }
+
+
+_INPUT_ITEMS = {  # Responses input item type -> its reader
+    "message": _input_message,
+    "function_call": _input_function_call,
+    "function_call_output": _input_function_call_output,
+}
 
 
 def chat_messages(raw: list[dict]) -> list[dict]:
