@@ -61,67 +61,77 @@ def _limit(text: str) -> tuple[str, dict]:
 
 @_reports_database_errors
 def cmd_keys(args: argparse.Namespace) -> int:
-    from expresslane.server.keys import KeyStore, Plan
+    from expresslane.server.keys import KeyStore
 
-    store = KeyStore(_db(args))
-    if args.action == "create":
-        tiers = args.tiers.split(",")
-        limits = {t: {"rpm": args.rpm, "tpm": args.tpm} for t in tiers}
-        for text in args.limit:
-            tier, values = _limit(text)
-            limits.setdefault(tier, {}).update(values)
-        try:
-            plan = Plan(
-                tiers=tiers,
-                default_tier=args.default_tier or tiers[0],
-                limits=limits,
-                monthly_tokens=args.monthly_tokens,
-                when_unavailable=args.when_unavailable,
-                regions=args.regions.split(",") if args.regions else None,
-            )
-        except ValueError as e:
-            print(f"expresslane keys create: {e}", file=sys.stderr)
-            return 2
-        key, secret = store.create(args.name, plan)
-        if args.json:
-            print(json.dumps({"id": key.id, "name": key.name, "key": secret}))
-        else:
-            print(f"created {key.id} ({key.name}); the key is shown only now:\n{secret}")
-        return 0
-    if args.action == "list":
-        keys = store.list()
-        if args.json:
-            rows = [
-                {
-                    "id": k.id,
-                    "name": k.name,
-                    "hint": k.hint,
-                    "plan": json.loads(k.plan.to_json()),
-                    "created_at": k.created_at,
-                    "revoked_at": k.revoked_at,
-                }
-                for k in keys
-            ]
-            print(json.dumps(rows, indent=2))
-            return 0
-        _print_table(
-            ["id", "name", "key", "tiers", "default", "when unavailable", "regions", "status"],
-            [
-                [
-                    k.id,
-                    k.name,
-                    k.hint + "…",
-                    ",".join(k.plan.tiers),
-                    k.plan.default_tier,
-                    k.plan.when_unavailable,
-                    ",".join(k.plan.regions or ["any"]),
-                    "revoked" if k.revoked_at else "active",
-                ]
-                for k in keys
-            ],
-            "API keys",
+    actions = {"create": _create_key, "list": _list_keys, "revoke": _revoke_key}
+    return actions[args.action](KeyStore(_db(args)), args)
+
+
+def _create_key(store, args: argparse.Namespace) -> int:
+    from expresslane.server.keys import Plan
+
+    tiers = args.tiers.split(",")
+    limits = {t: {"rpm": args.rpm, "tpm": args.tpm} for t in tiers}
+    for text in args.limit:
+        tier, values = _limit(text)
+        limits.setdefault(tier, {}).update(values)
+    try:
+        plan = Plan(
+            tiers=tiers,
+            default_tier=args.default_tier or tiers[0],
+            limits=limits,
+            monthly_tokens=args.monthly_tokens,
+            when_unavailable=args.when_unavailable,
+            regions=args.regions.split(",") if args.regions else None,
         )
+    except ValueError as e:
+        print(f"expresslane keys create: {e}", file=sys.stderr)
+        return 2
+    key, secret = store.create(args.name, plan)
+    if args.json:
+        print(json.dumps({"id": key.id, "name": key.name, "key": secret}))
+    else:
+        print(f"created {key.id} ({key.name}); the key is shown only now:\n{secret}")
+    return 0
+
+
+def _list_keys(store, args: argparse.Namespace) -> int:
+    keys = store.list()
+    if args.json:
+        rows = [
+            {
+                "id": k.id,
+                "name": k.name,
+                "hint": k.hint,
+                "plan": json.loads(k.plan.to_json()),
+                "created_at": k.created_at,
+                "revoked_at": k.revoked_at,
+            }
+            for k in keys
+        ]
+        print(json.dumps(rows, indent=2))
         return 0
+    _print_table(
+        ["id", "name", "key", "tiers", "default", "when unavailable", "regions", "status"],
+        [
+            [
+                k.id,
+                k.name,
+                k.hint + "…",
+                ",".join(k.plan.tiers),
+                k.plan.default_tier,
+                k.plan.when_unavailable,
+                ",".join(k.plan.regions or ["any"]),
+                "revoked" if k.revoked_at else "active",
+            ]
+            for k in keys
+        ],
+        "API keys",
+    )
+    return 0
+
+
+def _revoke_key(store, args: argparse.Namespace) -> int:
     n = store.revoke(args.key)
     if n == 0:
         print(f"expresslane keys revoke: no active key {args.key!r}", file=sys.stderr)

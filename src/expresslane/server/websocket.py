@@ -24,7 +24,14 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from expresslane.server import body
-from expresslane.server.errors import APIError, internal_error, invalid, validation_error
+from expresslane.server.database import DatabaseUnavailable
+from expresslane.server.errors import (
+    APIError,
+    database_unavailable,
+    internal_error,
+    invalid,
+    validation_error,
+)
 from expresslane.server.lifecycle import refusal
 from expresslane.server.response_job import prepare_response
 from expresslane.server.schemas import WsResponseCreate
@@ -97,30 +104,8 @@ class Connection:
         extra: dict = {}
         data: dict = {}
         try:
-            try:
-                parsed = body.loads(text)
-            except json.JSONDecodeError as e:
-                raise invalid(
-                    f"Could not parse the message as JSON: {e}.", code="invalid_json"
-                ) from e
-            if not isinstance(parsed, dict):
-                raise invalid("A message must be a JSON object.", code="invalid_type")
-            data = parsed
-            if isinstance(data.get("stream_id"), str):
-                extra["stream_id"] = data["stream_id"]
-            kind = data.get("type")
-            if kind != "response.create":
-                raise invalid(
-                    f"Unsupported message type {kind!r}; send 'response.create'.",
-                    param="type",
-                    code="unsupported_event_type",
-                )
-            for name in TRANSPORT_FIELDS:
-                data.pop(name, None)
-            try:
-                req = WsResponseCreate.model_validate(data)
-            except ValidationError as e:
-                raise validation_error(list(e.errors(include_url=False))) from e
+            data = _message(text, extra)
+            req = _response_create(data)
             if self.ws.app.state.lifecycle.draining:
                 raise refusal()
             ticket = self.state.admit_key(self.ws.state.api_key, req.service_tier)
@@ -133,14 +118,9 @@ class Connection:
                 generate=req.generate is not False,
                 ticket=ticket,
             )
-        except APIError as err:
+        except Exception as e:  # a bad or failing message must not cost the connection
             self._evict(data)
-            await self.send_error(err, extra)
-            return
-        except Exception:  # a bug in one message must not cost the connection
-            log.exception("WebSocket message failed")
-            self._evict(data)
-            await self.send_error(internal_error(), extra)
+            await self.send_error(_as_api_error(e), extra)
             return
         job.start()
         try:
@@ -171,3 +151,41 @@ async def responses_websocket(ws: WebSocket):
         with contextlib.suppress(Exception):
             await conn.send_error(internal_error())
             await ws.close(code=1011)
+
+
+def _message(text: str, extra: dict) -> dict:
+    """The message as a JSON object; its `stream_id` (echoed on its events) into `extra`."""
+    try:
+        data = body.loads(text)
+    except json.JSONDecodeError as e:
+        raise invalid(f"Could not parse the message as JSON: {e}.", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise invalid("A message must be a JSON object.", code="invalid_type")
+    if isinstance(data.get("stream_id"), str):
+        extra["stream_id"] = data["stream_id"]
+    return data
+
+
+def _response_create(data: dict) -> WsResponseCreate:
+    kind = data.get("type")
+    if kind != "response.create":
+        raise invalid(
+            f"Unsupported message type {kind!r}; send 'response.create'.",
+            param="type",
+            code="unsupported_event_type",
+        )
+    fields = {k: v for k, v in data.items() if k not in TRANSPORT_FIELDS}
+    try:
+        return WsResponseCreate.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(list(e.errors(include_url=False))) from e
+
+
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, DatabaseUnavailable):
+        log.warning("WebSocket message: %s", e)
+        return database_unavailable()
+    log.error("WebSocket message failed", exc_info=e)
+    return internal_error()
