@@ -27,6 +27,13 @@ def add_serve_command(sub, engine_args) -> None:
         "override the config file's [server] and [engine] settings of the same name.",
     )
     engine_args(s)
+    _listen_args(s)
+    _state_args(s)
+    _access_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def _listen_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--seed",
         dest="engine_seed",
@@ -45,6 +52,19 @@ def add_serve_command(sub, engine_args) -> None:
         help="TOML config file with [server], [engine], [lanes.*] and [prices] tables",
     )
     s.add_argument(
+        "--log-level", choices=LOG_LEVELS, default=None, help="log level (default: info)"
+    )
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="one line per request as text, or as a JSON object per line (default: text)",
+    )
+
+
+def _state_args(s: argparse.ArgumentParser) -> None:
+    """Where keys, ledger and stored responses live."""
+    s.add_argument(
         "--accounts",
         metavar="PATH",
         default=None,
@@ -59,6 +79,10 @@ def add_serve_command(sub, engine_args) -> None:
         "that database, shared by every server given it (needs the postgres extra; default: "
         "$EXPRESSLANE_DATABASE, else SQLite files)",
     )
+
+
+def _access_args(s: argparse.ArgumentParser) -> None:
+    """Who may call the API, and the model id they name."""
     s.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -80,13 +104,3 @@ def add_serve_command(sub, engine_args) -> None:
         help="CORS: origins whose browser pages may call the API, comma-separated or a JSON "
         "list; '*' for any (default: none, CORS off)",
     )
-    s.add_argument(
-        "--log-level", choices=LOG_LEVELS, default=None, help="log level (default: info)"
-    )
-    s.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        default=None,
-        help="one line per request as text, or as a JSON object per line (default: text)",
-    )
-    s.set_defaults(func=cmd_serve)

@@ -305,34 +305,13 @@ async def prepare_request(
 ) -> Prepared:
     """Validate, resolve previous_response_id, render (truncation=auto: `truncation.py`) and
     tokenize; touches no engine state, so POST /v1/responses/input_tokens counts with it."""
-    state.check_model(req.model)
-    if req.background and req.store is False:
-        raise invalid("background mode needs store=true.", param="background")
-    raw_input = req.input if req.input is not None else []
-    chars = state.check_size(
-        items=len(raw_input) if isinstance(raw_input, list) else 1,
-        tools=len(req.tools or []),
-        text=[raw_input, req.instructions],
-        param="input",
-        truncate=req.truncation == "auto",
-    )
+    raw_input, chars = _checked_input(state, req)
     context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
     items, new_messages = responses_input(raw_input, context)
     setup, choice = _tool_setup(state, req)
     tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    skip_special = req.skip_special_tokens
-    if skip_special is None and parser is not None and parser.needs_special_tokens:
-        skip_special = False
-    params = make_params(
-        NAMES,
-        req,
-        max_tokens=req.max_output_tokens if generate else 1,
-        seed=req.seed,
-        logprobs=(req.top_logprobs or 0) if _with_logprobs(req) else None,
-        skip_special_tokens=skip_special,
-        grammar=setup.grammar,
-    )
+    params = _sampling(req, setup, generate)
     rid = new_id("resp")
     template = template_tools(tools) if parser else None
 
@@ -357,6 +336,37 @@ async def prepare_request(
 
     engine_req = await off_loop(render_and_prepare, chars + text_size(context))
     return Prepared(engine_req, items, context, new_messages, tools, choice, parser, setup.declared)
+
+
+def _checked_input(state: ServerState, req: ResponseCreateRequest) -> tuple[object, int]:
+    """The request's input (a string or items) and its size in characters, checked."""
+    state.check_model(req.model)
+    if req.background and req.store is False:
+        raise invalid("background mode needs store=true.", param="background")
+    raw_input = req.input if req.input is not None else []
+    chars = state.check_size(
+        items=len(raw_input) if isinstance(raw_input, list) else 1,
+        tools=len(req.tools or []),
+        text=[raw_input, req.instructions],
+        param="input",
+        truncate=req.truncation == "auto",
+    )
+    return raw_input, chars
+
+
+def _sampling(req: ResponseCreateRequest, setup, generate: bool):
+    skip_special = req.skip_special_tokens
+    if skip_special is None and setup.parser is not None and setup.parser.needs_special_tokens:
+        skip_special = False  # the tool call markers must stay in the text to be parsed
+    return make_params(
+        NAMES,
+        req,
+        max_tokens=req.max_output_tokens if generate else 1,
+        seed=req.seed,
+        logprobs=(req.top_logprobs or 0) if _with_logprobs(req) else None,
+        skip_special_tokens=skip_special,
+        grammar=setup.grammar,
+    )
 
 
 async def prepare_response(
