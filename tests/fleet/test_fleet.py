@@ -283,23 +283,28 @@ def test_a_killed_replica_is_replaced_and_the_pool_keeps_answering(fleet):
     assert len([r for r in ledger if r["request_id"].startswith(completion_id)]) == 1  # once
 
 
+def _stream_default(c, max_tokens: int, results: list, errors: list) -> None:
+    """One streamed default-tier chat: its finish reason into `results`, or its error."""
+    try:
+        s = c.chat.completions.create(
+            model="expresslane-demo",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=max_tokens,
+            stream=True,
+            service_tier="default",
+            extra_body={"ignore_eos": True},
+        )
+        results.append([ch.choices[0].finish_reason for ch in s if ch.choices][-1])
+    except Exception as e:  # noqa: BLE001  (any failure is what these tests look for)
+        errors.append(repr(e))
+
+
 def test_scale_down_drains_without_errors(fleet):
     c = client(fleet)
     results, errors = [], []
 
     def stream():
-        try:
-            s = c.chat.completions.create(
-                model="expresslane-demo",
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=48,
-                stream=True,
-                service_tier="default",
-                extra_body={"ignore_eos": True},
-            )
-            results.append([ch.choices[0].finish_reason for ch in s if ch.choices][-1])
-        except Exception as e:  # noqa: BLE001  (any failure is what this test looks for)
-            errors.append(repr(e))
+        _stream_default(c, 48, results, errors)
 
     threads = [threading.Thread(target=stream) for _ in range(6)]
     for t in threads:
@@ -323,18 +328,7 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(fleet):
 
     def streams():
         while not loaded.is_set():  # keep 3 requests on the pool until it has grown
-            try:
-                s = c.chat.completions.create(
-                    model="expresslane-demo",
-                    messages=[{"role": "user", "content": PROMPT}],
-                    max_tokens=200,
-                    stream=True,
-                    service_tier="default",
-                    extra_body={"ignore_eos": True},
-                )
-                results.append([ch.choices[0].finish_reason for ch in s if ch.choices][-1])
-            except Exception as e:  # noqa: BLE001  (any failure is what this test looks for)
-                errors.append(repr(e))
+            _stream_default(c, 200, results, errors)
 
     threads = [threading.Thread(target=streams) for _ in range(3)]
     for t in threads:

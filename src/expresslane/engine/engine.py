@@ -41,38 +41,10 @@ QUEUE_TIMEOUT = "queue_timeout"  # the error text of requests that waited too lo
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_dir = config.model_dir
         self.device = config.torch_device()
-        mcfg = ModelConfig.from_dir(model_dir)
-        self.dtype, linear_dtype = config.dtypes(mcfg.torch_dtype, self.device)
-        max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
-        if mcfg.sliding_window:
-            max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
-        self.model, self.model_config = load_model(
-            model_dir, self.dtype, self.device, max_len, linear_dtype, config.quantization
-        )
-        self.lanes = build_lanes(config.lanes)
-        self.factory = RequestFactory(
-            model_dir,
-            mcfg,
-            self.lanes,
-            max_len,
-            Path(config.tokenizer) if config.tokenizer else None,
-            self.device.type != "cpu",  # on a CPU the forward pass keeps every core busy
-        )
-        self.tokenizer = self.factory.tokenizer
-        self.eos_token_ids = self.factory.eos_token_ids
-        self._grammars = self.factory.grammars
-
-        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
-        self.kv_bytes_per_token = per_block // config.block_size
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
-        capacity = num_blocks * config.block_size
-        if capacity < max_len:
-            log.warning(
-                "KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len
-            )
-            max_len = capacity
+        mcfg = ModelConfig.from_dir(config.model_dir)
+        max_len = self._load_model(config, mcfg)
+        num_blocks, max_len = self._size_kv_cache(config, mcfg, max_len)
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
@@ -95,6 +67,47 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self._set_up_speculation(config)
+        self._targets_resolved = False
+        self._calibrating = False  # steps are timed into the calibration set
+
+    def _load_model(self, config: EngineConfig, mcfg: ModelConfig) -> int:
+        """Weights, lanes and the request factory; the context length they allow."""
+        self.dtype, linear_dtype = config.dtypes(mcfg.torch_dtype, self.device)
+        max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
+        if mcfg.sliding_window:
+            max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
+        self.model, self.model_config = load_model(
+            config.model_dir, self.dtype, self.device, max_len, linear_dtype, config.quantization
+        )
+        self.lanes = build_lanes(config.lanes)
+        self.factory = RequestFactory(
+            config.model_dir,
+            mcfg,
+            self.lanes,
+            max_len,
+            Path(config.tokenizer) if config.tokenizer else None,
+            self.device.type != "cpu",  # on a CPU the forward pass keeps every core busy
+        )
+        self.tokenizer = self.factory.tokenizer
+        self.eos_token_ids = self.factory.eos_token_ids
+        self._grammars = self.factory.grammars
+        return max_len
+
+    def _size_kv_cache(self, config: EngineConfig, mcfg: ModelConfig, max_len: int):
+        """(KV blocks, context length): the context shrinks to what the blocks hold."""
+        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        self.kv_bytes_per_token = per_block // config.block_size
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            log.warning(
+                "KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len
+            )
+            max_len = capacity
+        return num_blocks, max_len
+
+    def _set_up_speculation(self, config: EngineConfig) -> None:
         self.proposers: dict[str, SpecConfig] = {}  # lane name -> its speculation
         self._drafts: dict[Path, DraftModelProposer] = {}  # lanes share a draft model
         for lane in self.lanes.values():
@@ -109,8 +122,6 @@ class LLMEngine:
         self.guesses = GuessPlanner(
             self.proposers, self.lanes, self.step_model, self.spec_payoff, self.max_model_len
         )
-        self._targets_resolved = False
-        self._calibrating = False  # steps are timed into the calibration set
 
     def _load_draft(self, model: str | None) -> DraftModelProposer:
         path = Path(model) if model else demo_model_dir(DRAFT_DIR)

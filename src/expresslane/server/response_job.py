@@ -11,7 +11,6 @@ number of readers follow (the SSE writer, a WebSocket, a resumed background stre
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from expresslane.engine.request import Request as EngineRequest
 from expresslane.server.accounts import Ticket
 from expresslane.server.durability import ProgressClock, mark_interrupted
 from expresslane.server.errors import invalid
+from expresslane.server.event_log import EventLog
 from expresslane.server.generation import Generation, make_params, prepare, start
 from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
@@ -41,39 +41,6 @@ from expresslane.tool_parsers import ToolParser
 log = logging.getLogger("expresslane.server")
 NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-
-class EventLog:
-    """Events of one response as (type, JSON text), numbered from 0; readers follow it."""
-
-    def __init__(self, extra: dict | None = None):
-        self.events: list[tuple[str, str]] = []
-        self.closed = False
-        self.extra = extra or {}
-        self._changed = asyncio.Event()
-
-    def emit(self, event: dict) -> None:
-        event = {**event, "sequence_number": len(self.events), **self.extra}
-        self.events.append((event["type"], json.dumps(event)))
-        self._notify()
-
-    def close(self) -> None:
-        self.closed = True
-        self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def follow(self, after: int = -1):
-        i = after + 1
-        while True:
-            while i < len(self.events):
-                yield self.events[i]
-                i += 1
-            if self.closed:
-                return
-            await self._changed.wait()
 
 
 class ResponseJob:
