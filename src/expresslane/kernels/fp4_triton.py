@@ -39,6 +39,41 @@ def block_scale(bits, SCALE_KIND: tl.constexpr):
 
 
 @triton.jit
+def weight_tile(
+    packed_ptr,
+    scales_ptr,
+    cols,
+    col_ok,
+    k0,
+    K,
+    BLOCK: tl.constexpr,
+    SCALE_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The weight rows `cols`, columns k0..k0+BLOCK_K, decoded to float32 values."""
+    half_k = K // 2
+    n_blocks = K // BLOCK
+    byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(
+        packed_ptr + cols[:, None] * half_k + byte_cols[None, :],
+        mask=col_ok[:, None] & (byte_cols[None, :] < half_k),
+        other=0,
+    )
+    # element 2i sits in the low nibble of byte i, element 2i+1 in the high nibble
+    values = tl.interleave(e2m1_value(codes & 15), e2m1_value(codes >> 4))
+    scale_cols = k0 // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
+    scale_bits = tl.load(
+        scales_ptr + cols[:, None] * n_blocks + scale_cols[None, :],
+        mask=col_ok[:, None] & (scale_cols[None, :] < n_blocks),
+        other=0,
+    )
+    scales = block_scale(scale_bits, SCALE_KIND)
+    w = tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scales[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def fp4_linear_kernel(
     x_ptr,
     packed_ptr,
@@ -62,27 +97,11 @@ def fp4_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    half_k = K // 2
-    n_blocks = K // BLOCK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        codes = tl.load(
-            packed_ptr + cols[:, None] * half_k + byte_cols[None, :],
-            mask=col_ok[:, None] & (byte_cols[None, :] < half_k),
-            other=0,
+        w = weight_tile(
+            packed_ptr, scales_ptr, cols, col_ok, k0, K, BLOCK, SCALE_KIND, BLOCK_N, BLOCK_K
         )
-        # element 2i sits in the low nibble of byte i, element 2i+1 in the high nibble
-        values = tl.interleave(e2m1_value(codes & 15), e2m1_value(codes >> 4))
-        scale_cols = k0 // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
-        scale_bits = tl.load(
-            scales_ptr + cols[:, None] * n_blocks + scale_cols[None, :],
-            mask=col_ok[:, None] & (scale_cols[None, :] < n_blocks),
-            other=0,
-        )
-        scales = block_scale(scale_bits, SCALE_KIND)
-        w = tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scales[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + ks[None, :],
