@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from expresslane.bench.runner import Level
     from expresslane.bench.target import Target
-    from expresslane.bench.workloads import Workload
+    from expresslane.bench.workloads import Workload, WorkloadOptions
 
 EXAMPLES = """\
 examples:
@@ -278,8 +278,20 @@ def _target(args: argparse.Namespace) -> Target:
     return target
 
 
+def make_workload(spec: str, options: WorkloadOptions) -> Workload:
+    """'synthetic', 'replay:FILE' or 'agent[:N]' -> a workload."""
+    # Importing the modules registers the built-in workloads.
+    from expresslane.bench import agent, replay, synthetic  # noqa: F401
+    from expresslane.bench.workloads import WORKLOADS
+
+    name, _, arg = spec.partition(":")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
+    return WORKLOADS[name](arg or None, options)
+
+
 def _workload(args: argparse.Namespace) -> Workload:
-    from expresslane.bench.workloads import WorkloadOptions, make_workload
+    from expresslane.bench.workloads import WorkloadOptions
 
     options = WorkloadOptions(
         seed=args.seed,

@@ -36,8 +36,20 @@ from expresslane.bench.checks import check_output
 from expresslane.bench.records import RequestRecord, TaskRecord
 from expresslane.bench.schedule import poisson_arrivals
 from expresslane.bench.target import Target
-from expresslane.bench.transport import Clock, Transport, make_transport
+from expresslane.bench.transport import Clock, Transport
 from expresslane.bench.workloads import Reply, SessionLike, Workload
+
+
+def make_transport(target: Target) -> Transport:
+    if target.transport == "websocket":
+        if target.api != "responses":
+            raise ValueError("--transport websocket needs --api responses")
+        from expresslane.bench.ws_client import WsTransport
+
+        return WsTransport(target)
+    from expresslane.bench.client import HttpTransport
+
+    return HttpTransport(target)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from expresslane.bench.records import RequestRecord
-from expresslane.bench.target import Target
 from expresslane.bench.workloads import Reply, Turn
 
 Clock = Callable[[], float]  # seconds since the run started
@@ -20,15 +19,3 @@ class Transport(Protocol):
     def session(self) -> AbstractAsyncContextManager[Sender]: ...
 
     async def aclose(self) -> None: ...
-
-
-def make_transport(target: Target) -> Transport:
-    if target.transport == "websocket":
-        if target.api != "responses":
-            raise ValueError("--transport websocket needs --api responses")
-        from expresslane.bench.ws_client import WsTransport
-
-        return WsTransport(target)
-    from expresslane.bench.client import HttpTransport
-
-    return HttpTransport(target)

@@ -150,14 +150,3 @@ def register(name: str) -> Callable[[WorkloadFactory], WorkloadFactory]:
         return factory
 
     return deco
-
-
-def make_workload(spec: str, options: WorkloadOptions) -> Workload:
-    """'synthetic', 'replay:FILE' or 'agent[:N]' -> a workload."""
-    # Importing the modules registers the built-in workloads.
-    from expresslane.bench import agent, replay, synthetic  # noqa: F401
-
-    name, _, arg = spec.partition(":")
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
-    return WORKLOADS[name](arg or None, options)
