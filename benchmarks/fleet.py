@@ -10,15 +10,17 @@ Two setups of the demo model on this machine, one after the other, same client a
          the default pool's core (so the default pool also pays for every hop of the
          ultrafast pool's tokens)
 
-Each setup runs three phases: ultrafast requests alone (the single-lane speed), `--streams`
-default streams alone (default throughput), then both at once. Reported per setup: ultrafast
+`--intervals` runs the fleet once per pair of the two pools' `stream_interval` (tokens a
+replica gathers per stream before a hop). Each setup runs three phases: ultrafast requests
+alone (the single-lane speed), `--streams` default streams alone (default throughput), then
+both at once. Reported per setup: ultrafast
 decode tokens/s with default traffic against alone, and default throughput with ultrafast
 traffic against alone. Then the fleet's added latency: `--probes` one-token completions, one at
 a time on an idle system, through the fleet's ingress and router against the lanes server
 (e2e p50 and p99; the difference is what the proxy, ingress and router hop costs), and the
 CPU time each part spent per default token while the default streams ran alone (from /proc).
 
-    python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50]
+    python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50] [--intervals 1:1,8:4]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def cores() -> tuple[list[int], list[int], list[int]]:
 
 
 class Fleet:
-    def __init__(self, port: int):
+    def __init__(self, port: int, intervals: tuple[int, int] = (1, 1)):
         from expresslane.fleet.cluster_file import parse_cluster
         from expresslane.fleet.deploy import deploy
 
@@ -60,12 +62,14 @@ class Fleet:
                         "tiers": ["ultrafast"],
                         "num_cpus": 1,
                         "cpu_affinity": fast,
+                        "stream_interval": intervals[0],
                         "engine": {**engine, "max_batch": 4},
                     },
                     "std": {
                         "tiers": ["default"],
                         "num_cpus": 1,
                         "cpu_affinity": std,
+                        "stream_interval": intervals[1],
                         "engine": engine,
                     },
                 },
@@ -170,7 +174,7 @@ async def probe(http, server, n: int) -> dict:
 
 def report(name: str, r: dict) -> None:
     print(
-        f"{name:6} ultrafast {r['ultrafast_tokens_per_s_alone']:.0f} tok/s alone, "
+        f"{name} ultrafast {r['ultrafast_tokens_per_s_alone']:.0f} tok/s alone, "
         f"{r['ultrafast_tokens_per_s_with_default']:.0f} with default traffic "
         f"({100 * r['ultrafast_kept']:.0f}%) | default {r['default_throughput_alone']:.0f} tok/s "
         f"alone, {r['default_throughput_with_ultrafast']:.0f} with ultrafast "
@@ -194,15 +198,18 @@ async def main_async(args) -> dict:
         finally:
             lanes.stop()
         report("lanes", results["lanes"])
-        fleet = Fleet(args.port + 1)
-        try:
-            await stream(http, fleet, "default", 8, [])  # first request: handles and routers
-            results["fleet"] = await phases(http, fleet, args)
-            results["fleet"]["probe"] = await probe(http, fleet, args.probes)
-        finally:
-            fleet.stop()
-        report("fleet", results["fleet"])
-    p_fleet, p_lanes = results["fleet"]["probe"], results["lanes"]["probe"]
+        for fast, std in args.intervals:
+            name = "fleet" if (fast, std) == (1, 1) else f"fleet, stream_interval {fast}/{std}"
+            fleet = Fleet(args.port + 1, (fast, std))
+            try:
+                await stream(http, fleet, "default", 8, [])  # first request: handles, routers
+                results[name] = await phases(http, fleet, args)
+                results[name]["probe"] = await probe(http, fleet, args.probes)
+            finally:
+                fleet.stop()
+            report(name, results[name])
+    first = "fleet" if "fleet" in results else next(k for k in results if k.startswith("fleet"))
+    p_fleet, p_lanes = results[first]["probe"], results["lanes"]["probe"]
     results["router_added_ms"] = {
         q: p_fleet[f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")
     }
@@ -224,6 +231,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--probes", type=int, default=50)
     ap.add_argument("--port", type=int, default=8751)
+    ap.add_argument(
+        "--intervals",
+        type=lambda text: [tuple(int(n) for n in pair.split(":")) for pair in text.split(",")],
+        default=[(1, 1)],
+        help="fleet runs, one per FAST:STD pair of the pools' stream_interval (e.g. 1:1,8:4)",
+    )
     args = ap.parse_args()
     results = asyncio.run(main_async(args))
     print(f"results: {Path(save_results('fleet', results))}")

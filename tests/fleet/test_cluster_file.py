@@ -84,3 +84,8 @@ def test_autoscaling_settings_go_to_ray_serve_and_are_checked():
         parse_cluster(
             {"pools": {"std": {"tiers": ["default"], "autoscaling": {"upscale_delay_s": 1}}}}
         )
+
+
+def test_a_stream_interval_below_one_is_refused():
+    with pytest.raises(ClusterFileError, match=r"\[pools.std\] stream_interval must be at least 1"):
+        parse_cluster({"pools": {"std": {"tiers": ["default"], "stream_interval": 0}}})

@@ -4,6 +4,7 @@ replicas in another, one ingress in front; the official openai SDK as the client
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from expresslane.server.metering import Ledger  # noqa: E402
 from tests.postgres import new_database  # noqa: E402
 
 RPM = 6
+STD_INTERVAL = 3  # the default pool's replicas send tokens 3 at a time (after the first)
 
 ENGINE = {"calibrate": False, "num_kv_blocks": 256, "seed": 0}
 PROMPT = (
@@ -52,6 +54,7 @@ def cluster(port: int, database: str, std_replicas: int = 2, std_scaling: dict |
                 "std": {
                     "tiers": ["default", "flex"],
                     "region": "us",
+                    "stream_interval": STD_INTERVAL,
                     **std,
                     "num_cpus": 0.5,
                     "engine": ENGINE,
@@ -149,6 +152,22 @@ def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
 def _status(fleet) -> dict:
     pools = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()["pools"]
     return {p["name"]: p for p in pools}
+
+
+def test_a_pool_streams_its_tokens_in_intervals(fleet):
+    stream = client(fleet).chat.completions.create(
+        model="expresslane-demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=13,
+        stream=True,
+        stream_options={"include_usage": True},
+        service_tier="default",
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-1].usage.completion_tokens == 13
+    assert 1 < len(texts) <= 1 + math.ceil(12 / STD_INTERVAL)  # the first token, then 3s
 
 
 def test_a_key_limited_to_a_region_never_leaves_it(fleet):

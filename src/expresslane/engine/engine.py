@@ -12,6 +12,7 @@ import torch
 from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
 from expresslane.engine.calibration import calibrate, resolve_targets
+from expresslane.engine.dtypes import model_dtypes
 from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
@@ -73,7 +74,7 @@ class LLMEngine:
 
     def _load_model(self, config: EngineConfig, mcfg: ModelConfig) -> int:
         """Weights, lanes and the request factory; the context length they allow."""
-        self.dtype, linear_dtype = config.dtypes(mcfg.torch_dtype, self.device)
+        self.dtype, linear_dtype = model_dtypes(config, mcfg.torch_dtype, self.device)
         max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if mcfg.sliding_window:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
@@ -126,8 +127,8 @@ class LLMEngine:
     def _load_draft(self, model: str | None) -> DraftModelProposer:
         path = Path(model) if model else demo_model_dir(DRAFT_DIR)
         if path not in self._drafts:
-            dtype, linear_dtype = self.config.dtypes(
-                ModelConfig.from_dir(path).torch_dtype, self.device
+            dtype, linear_dtype = model_dtypes(
+                self.config, ModelConfig.from_dir(path).torch_dtype, self.device
             )
             self._drafts[path] = DraftModelProposer(
                 path,

@@ -59,6 +59,9 @@ class PoolSpec:
     # idle replicas take flex work too (preempted by the engine when their tiers' work comes)
     spare_flex: bool = False
     cpu_affinity: list[int] | None = None  # pin replicas to these cores (one-machine fleets)
+    # tokens a replica gathers per stream before sending them to the ingress (the first goes
+    # at once): fewer, larger hops for less transport CPU per token (SGLang's stream_interval)
+    stream_interval: int = 1
 
     @property
     def autoscaled(self) -> bool:
@@ -146,6 +149,8 @@ def _pool(name: str, table: dict) -> PoolSpec:
         _check_autoscaling(pool)
     if pool.replicas < 1:
         raise ClusterFileError(f"[pools.{name}] replicas must be at least 1")
+    if pool.stream_interval < 1:
+        raise ClusterFileError(f"[pools.{name}] stream_interval must be at least 1")
     try:
         options = pool.engine_options()
         check_types(EngineConfig, pool.engine, f"pools.{name}.engine")

@@ -53,6 +53,7 @@ def _pool_app(spec: ClusterSpec, pool: PoolSpec):
         options=pool.engine_options(),
         threads=threads,
         cpu_affinity=pool.cpu_affinity,
+        stream_interval=pool.stream_interval,
     )
 
 

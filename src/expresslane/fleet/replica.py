@@ -38,6 +38,7 @@ class EngineReplica:
         options: dict,
         threads: int = 1,
         cpu_affinity: list[int] | None = None,
+        stream_interval: int = 1,
     ):
         import torch
 
@@ -48,7 +49,7 @@ class EngineReplica:
         if cpu_affinity:
             os.sched_setaffinity(0, cpu_affinity)
         torch.set_num_threads(max(1, threads))
-        self.pool, self.tiers = pool, tiers
+        self.pool, self.tiers, self.stream_interval = pool, tiers, stream_interval
         self.replica = replica_id()
         self.engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model, dict(options))))
         while not self.engine.ready.wait(1.0):
@@ -76,9 +77,17 @@ class EngineReplica:
             yield e
             return
         stream = self.engine.enqueue(req)
+        pending: list = []
+        sent_first = False
         async for out in stream:
             # what piled up while the last item travelled goes as one: one hop, not many
-            yield merge_outputs([out, *stream.ready()])
+            pending += [out, *stream.ready()]
+            gathered = sum(len(o.new_token_ids) for o in pending)
+            if not sent_first or pending[-1].finished or gathered >= self.stream_interval:
+                yield merge_outputs(pending)
+                pending, sent_first = [], True
+        if pending:  # (a stream ends with a finished output; this is only a safeguard)
+            yield merge_outputs(pending)
 
     def record_routing_stats(self) -> dict:
         """What the router may weigh beside queue lengths (fleet/router.py)."""
