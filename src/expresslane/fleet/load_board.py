@@ -8,11 +8,14 @@ A replica that stops reporting (dead or drained) drops off after `STALE_SECONDS`
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 import ray
+
+log = logging.getLogger("expresslane.fleet")
 
 BOARD_NAME = "expresslane-load-board"
 REPORT_SECONDS = 1.0
@@ -51,9 +54,14 @@ def report_loop(pool: str, replica: str, load: Callable[[], dict], stop: threadi
     """Start a thread reporting `load()` to the board until `stop` is set."""
 
     def run():
-        target = board()
+        target = None
         while not stop.wait(REPORT_SECONDS):
-            target.report.remote(pool, replica, load())
+            try:
+                target = target or board()
+                target.report.remote(pool, replica, load())
+            except Exception:  # noqa: BLE001  (the board went away: find it again next time)
+                log.warning("could not report load to the fleet's board", exc_info=True)
+                target = None
 
     thread = threading.Thread(target=run, name="expresslane-load-report", daemon=True)
     thread.start()
