@@ -208,8 +208,8 @@ async def main_async(args) -> dict:
             finally:
                 fleet.stop()
             report(name, results[name])
-    first = "fleet" if "fleet" in results else next(k for k in results if k.startswith("fleet"))
-    p_fleet, p_lanes = results[first]["probe"], results["lanes"]["probe"]
+    first_fleet = next(k for k in results if k.startswith("fleet"))
+    p_fleet, p_lanes = results[first_fleet]["probe"], results["lanes"]["probe"]
     results["router_added_ms"] = {
         q: p_fleet[f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")
     }

@@ -86,8 +86,6 @@ class EngineReplica:
             if not sent_first or pending[-1].finished or gathered >= self.stream_interval:
                 yield merge_outputs(pending)
                 pending, sent_first = [], True
-        if pending:  # (a stream ends with a finished output; this is only a safeguard)
-            yield merge_outputs(pending)
 
     def record_routing_stats(self) -> dict:
         """What the router may weigh beside queue lengths (fleet/router.py)."""
