@@ -363,7 +363,10 @@ def check_run(run: dict, n: int, tier: str | None) -> None:
         if tier:
             assert r["served_tier"] == tier
     assert s["ttft"]["p50"] <= s["e2e"]["p50"]
-    assert s["tpot"]["count"] == n
+    # A request whose tokens all arrive in one chunk (a busy machine) has no decode time to
+    # divide: TPOT counts exactly the streamed ones, and most requests do stream.
+    streamed = sum(len(r["chunk_times"]) > 1 for r in run["records"])
+    assert s["tpot"]["count"] == streamed and streamed >= n // 2
 
 
 @pytest.fixture(scope="module")
