@@ -10,6 +10,7 @@ Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt 128, 6
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -32,7 +33,8 @@ def main() -> None:
         "fp4_native": LLM(path, max_model_len=1024, kv_cache_dtype="fp4"),
         "fp8_python_layers": LLM(path, max_model_len=1024, kv_cache_dtype="fp8"),
     }
-    llms["fp8_python_layers"].engine.model.decode_stack = None
+    model = llms["fp8_python_layers"].engine.model
+    model.plan = dataclasses.replace(model.plan, stack=False)
     for llm in llms.values():
         llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     speeds: dict[str, list[float]] = {name: [] for name in llms}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -89,11 +90,12 @@ def linears(shapes: dict[str, tuple[int, int]], repeats: int) -> dict:
 def steps_through(llm: LLM, mode: str):
     """Every step through the native kernels ("native") or the Python layers ("python")."""
     model = llm.engine.model
-    saved, model.native_all = model.native_all, mode == "native"
+    saved = model.plan
+    model.plan = dataclasses.replace(saved, every_step=mode == "native")
     try:
         yield
     finally:
-        model.native_all = saved
+        model.plan = saved
 
 
 def prompts_ttft(llm: LLM, repeats: int) -> dict:
@@ -146,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     path = None if args.model == "demo" else str(random_checkpoint("smollm2-135m", SMOLLM2_135M))
     llm = LLM(path, max_batch=8, max_model_len=2048)
-    if not llm.engine.model.native_all:
+    if not llm.engine.model.plan.every_step:
         raise SystemExit("every step runs the native kernels only with AVX-512 BF16")
     results = {"machine": machine(), "args": vars(args)}
     results["linears"] = linears(layer_shapes(llm), args.repeats)

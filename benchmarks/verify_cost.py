@@ -23,7 +23,7 @@ from expresslane import LLM
 
 def time_rows(model, rows: int, ctx: int, repeats: int) -> tuple[float, float]:
     """Seconds of (layers, output head) for `rows` new tokens after `ctx` cached ones."""
-    stack = model.decode_stack
+    stack = model.layer_stack
     length = ctx + rows
     slots = torch.arange(length, dtype=torch.long)  # any free slots will do for timing
     cos, sin = model.rotary.tables(torch.arange(ctx, length))
@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=300)
     args = ap.parse_args()
     model = LLM(max_batch=1, max_model_len=2048).engine.model
-    if model.decode_stack is None or not model.native_head:
-        raise SystemExit("the native decode step does not run on this machine")
+    if model.layer_stack is None or not model.plan.native_head:
+        raise SystemExit("the C++ layer stack does not run on this machine")
     results: dict = {"machine": machine(), "args": vars(args), "rows": []}
     for ctx in [int(c) for c in args.contexts.split(",")]:
         one = time_rows(model, 1, ctx, args.repeats)

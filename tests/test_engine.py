@@ -44,7 +44,7 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(llama_bf16_dir):
     same decoded alone as in a batch of 32, with its prompt cut into chunks beside other
     sequences' decodes, and after a prefix that another request left in the cache."""
     alone_llm = LLM(str(llama_bf16_dir), max_batch=1, enable_prefix_caching=False)
-    if not alone_llm.engine.model.native_all:
+    if not alone_llm.engine.model.plan.every_step:
         pytest.skip("row-invariant steps need the AVX-512 BF16 kernels")
     prompts = random_prompts(40, 4, 90, seed=9)
     prompts += [prompts[0][:48] + p for p in prompts[1:9]]  # the first prompt's prefix, cached
@@ -61,7 +61,7 @@ def test_bf16_preempted_requests_recompute_the_same_tokens(llama_bf16_dir):
     requests' decodes in the native step: its tokens still match a solo run (with bf16 weights
     rows are computed alike in any step, so nothing may differ)."""
     solo_llm = LLM(str(llama_bf16_dir), max_batch=1, enable_prefix_caching=False)
-    if not solo_llm.engine.model.native_all:
+    if not solo_llm.engine.model.plan.every_step:
         pytest.skip("row-invariant steps need the AVX-512 BF16 kernels")
     rng = random.Random(1)
     prompts = random_prompts(60, 4, 90, seed=8)

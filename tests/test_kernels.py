@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from expresslane.kernels import cpu_kernels
+from expresslane.kernels.plan import ROW_KERNEL_ROWS, LinearPath
 from expresslane.models.layers import Linear
 
 from .conftest import bf16_copy
@@ -107,13 +108,13 @@ def test_linear_runs_the_kernels_on_bf16_weights():
     lin.prepare_cpu(torch.float32)
     assert lin._bf16_kernel is not None
     dot = kernels.bf16_dot_available()  # then x is rounded to bf16
-    assert lin.row_invariant == dot
+    assert lin.path is (LinearPath.BF16_DOT if dot else LinearPath.BF16_ROWS)
     assert lin.kernel_weights()[0].dim() == (3 if dot else 2)
-    for m in (1, Linear.SMALL_BATCH):
+    for m in (1, ROW_KERNEL_ROWS):
         x = torch.randn(m, 64)
         ref = _bf16_dot_reference(x, w, bias) if dot else F.linear(x, w.float(), bias)
         torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
-    x = torch.randn(Linear.SMALL_BATCH + 300, 64)
+    x = torch.randn(ROW_KERNEL_ROWS + 300, 64)
     if dot:
         torch.testing.assert_close(lin(x), _bf16_dot_reference(x, w, bias), atol=1e-4, rtol=1e-4)
         for rows in (slice(0, 1), slice(5, 22), slice(100, 316)):
@@ -192,7 +193,7 @@ def test_fp4_linear_runs_the_kernel_at_prompt_sizes_row_for_row(fmt_name, k):
     weight = Fp4Weight.from_tensor(quantize(torch.randn(96, k, generator=g) * 0.05, fmt))
     layer = Fp4Linear(weight, torch.randn(96, generator=g))
     layer.prepare_cpu(torch.float32)
-    assert layer.row_invariant
+    assert layer.path is LinearPath.FP4_W4A8
     x = torch.randn(300, k, generator=g)
     full = layer(x)
     for rows in (slice(0, 1), slice(3, 7), slice(5, 22), slice(100, 300)):
@@ -249,7 +250,7 @@ def test_native_decode_step_matches_the_python_layers(
     bf16_copy(checkpoints[arch], tmp_path)
     engine = LLM(str(tmp_path), kv_cache_dtype=kv_dtype).engine
     model, runner = engine.model, engine.runner
-    assert model.decode_stack is not None
+    assert model.layer_stack is not None
     assert engine.kv.num_blocks >= 30  # the three sequences below use blocks 0-29
     g = torch.Generator().manual_seed(q_len)
     hkv, d = model.cfg.num_kv_heads, model.cfg.head_dim
@@ -275,7 +276,7 @@ def test_native_decode_step_matches_the_python_layers(
         written = [
             [t[:, :, meta.slot_mapping].clone() for t in s.native()] for s in runner.kv_caches
         ]
-        out = model.decode_stack.forward(
+        out = model.layer_stack.forward(
             x,
             cos,
             sin,
@@ -287,15 +288,15 @@ def test_native_decode_step_matches_the_python_layers(
         )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     # the final norm and output head, for some rows and for all
-    assert model.native_head
+    assert model.plan.native_head
     rows = torch.tensor([0, len(seqs) * q_len - 1])
     with torch.inference_mode():
         expected = model.lm_head(model.norm(ref)).float()
         torch.testing.assert_close(
-            model.decode_stack.logits(out.clone(), rows), expected[rows], atol=2e-4, rtol=2e-4
+            model.layer_stack.logits(out.clone(), rows), expected[rows], atol=2e-4, rtol=2e-4
         )
         torch.testing.assert_close(
-            model.decode_stack.logits(out.clone(), None), expected, atol=2e-4, rtol=2e-4
+            model.layer_stack.logits(out.clone(), None), expected, atol=2e-4, rtol=2e-4
         )
     # the new tokens' K/V as the native step stored them: the store's own encoding (a rare
     # byte may differ where the two paths' float K/V straddle a rounding boundary)
@@ -328,7 +329,7 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     bf16_copy(checkpoints[arch], tmp_path)
     engine = LLM(str(tmp_path), quantization=quantization).engine
     model, runner = engine.model, engine.runner
-    assert model.decode_stack is not None and engine.kv.num_blocks >= 40
+    assert model.layer_stack is not None and engine.kv.num_blocks >= 40
     g = torch.Generator().manual_seed(5)
     hkv, d = model.cfg.num_kv_heads, model.cfg.head_dim
     for store in runner.kv_caches:  # earlier tokens' keys and values, the cached prefix too
@@ -356,7 +357,7 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
             ref = layer(ref, cos, sin, meta)
         q_lens, starts, table, ctx = meta.sequences()
         assert q_lens.tolist() == [1, 1, 20, 12] and starts.tolist() == [5, 37, 0, 30]
-        out = model.decode_stack.forward(x, cos, sin, meta.slot_mapping, table, ctx, q_lens, starts)
+        out = model.layer_stack.forward(x, cos, sin, meta.slot_mapping, table, ctx, q_lens, starts)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
 
 

@@ -46,7 +46,7 @@ def test_serving_with_a_compressed_kv_cache(llama_dir, kv_dtype):
     assert again.num_cached_tokens > 0 and again.token_ids == plain[0].token_ids
     engine = llm.engine
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.model.decode_stack is None  # the C++ step reads plain KV only
+    assert engine.model.layer_stack is None  # the C++ step reads plain KV only
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(str(llama_dir), kv_cache_dtype="int2")
 

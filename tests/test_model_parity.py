@@ -81,6 +81,6 @@ def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, checkpoints, arch)
     auto = LLM(str(tmp_path / "bf16"), max_batch=3)  # batches of 3, then 1: mixed lengths
     fp32 = LLM(str(tmp_path / "bf16"), dtype="float32")
     if cpu_kernels() is not None:
-        assert auto.engine.model.decode_stack is not None
+        assert auto.engine.model.layer_stack is not None
     got = auto.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in fp32.generate(prompts, params)]

@@ -108,7 +108,7 @@ def test_fp4_greedy_tokens_do_not_depend_on_the_batch(llama_dir, tmp_path):
     prompts = random_prompts(20, 5, 40, seed=6)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = LLM(str(qdir), dtype="float32", max_batch=1, enable_prefix_caching=False)
-    if not alone.engine.model.native_all:
+    if not alone.engine.model.plan.every_step:
         pytest.skip("no AVX2 CPU kernels here")
     batched = LLM(str(qdir), dtype="float32", max_batch=20, max_num_batched_tokens=24)
     expected = [alone.generate(p, params)[0].token_ids for p in prompts]

@@ -3,6 +3,7 @@ sampled outputs keep the target's distribution (chi-square tests at fixed contex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -53,7 +54,7 @@ def test_greedy_outputs_identical_on_100_prompts(
     target = str(llama_dir if weights == "float32" else llama_bf16_dir)
     opts = dict(max_batch=max_batch, dtype="float32" if weights == "float32" else "auto")
     plain_llm = LLM(target, **opts)
-    if weights == "bf16" and not plain_llm.engine.model.native_all:
+    if weights == "bf16" and not plain_llm.engine.model.plan.every_step:
         pytest.skip("row-invariant steps need the AVX-512 BF16 kernels")
     plain = plain_llm.generate(prompts, params)
     spec = _spec(draft_dir)
@@ -115,11 +116,12 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
         folder = bf16_copy(draft_dir, tmp_path / "draft")
     llm = LLM(str(target), speculative=_spec(folder))
     draft = llm.engine.proposers["default"].proposer
-    assert draft.model.native_head
+    assert draft.model.plan.native_head
+    plan = draft.model.plan
     prompts = random_prompts(5, 4, 40, seed=43)
 
     def rounds(native: bool) -> list[list[int]]:
-        draft.model.native_head = native
+        draft.model.plan = dataclasses.replace(plan, native_head=native)
         greedy = SamplingParams(temperature=0)
         reqs = [Request(f"r{i}", list(p), greedy, max_tokens=64) for i, p in enumerate(prompts)]
         out = []
@@ -152,7 +154,7 @@ def test_greedy_vocab_keeps_outputs_identical(tmp_path, llama_bf16_dir, draft_di
     prompts = random_prompts(16, 4, 32, seed=44)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     plain_llm = LLM(str(target), max_batch=max_batch)
-    if max_batch > 1 and not plain_llm.engine.model.native_all:
+    if max_batch > 1 and not plain_llm.engine.model.plan.every_step:
         pytest.skip("batches are row-invariant with the AVX-512 BF16 kernels only")
     plain = plain_llm.generate(prompts, params)
     llm = LLM(str(target), speculative=_spec(folder), max_batch=max_batch)

@@ -19,7 +19,7 @@ from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
-from expresslane.engine.runner import ModelRunner, kv_bytes_per_block
+from expresslane.engine.runner import CacheConfig, ModelRunner, kv_bytes_per_block
 from expresslane.engine.scheduler import ScheduledBatch, Scheduler
 from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
 from expresslane.engine.step_model import StepLatencyModel
@@ -48,23 +48,13 @@ class LLMEngine:
         num_blocks, max_len = self._size_kv_cache(config, mcfg, max_len)
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            mcfg,
-            num_blocks,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.seed,
-            config.kv_cache_dtype,
-        )
-        # steps the native decode step runs (decodes and verifications up to its row limit)
-        # cost other than larger ones: the step-latency model fits them on a line of their own
-        native = self.model.native_rows if self.model.decode_stack is not None else 8
-        self.step_model = StepLatencyModel(small_tokens=max(native, 8))
-        self.scheduler = Scheduler(
-            self.kv, config.max_batch, config.max_num_batched_tokens, self.lanes, self.step_model
-        )
+        cache = CacheConfig(num_blocks, config.block_size, config.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, cache, config.seed)
+        log.info("execution plan: %s", self.model.plan.describe())
+        # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
+        # other than larger ones: the step-latency model fits them on a line of their own
+        self.step_model = StepLatencyModel(small_tokens=max(self.model.plan.stack_rows, 8))
+        self.scheduler = Scheduler(config, self.kv, self.lanes, self.step_model)
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

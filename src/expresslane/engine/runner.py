@@ -8,6 +8,8 @@ tokens), then prompt chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -41,31 +43,31 @@ def _uniform_group(items):
     return group, [(r, n) for r, n in items if id(r) not in members]
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache a runner allocates: blocks of `block_size` slots, in the store
+    `kv_cache_dtype` names (models/kv_store.py)."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str = "auto"
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        cfg: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        seed: int | None = None,
-        kv_cache_dtype: str = "auto",
-    ):
+    def __init__(self, model: LlamaModel, cache: CacheConfig, seed: int | None = None):
         self.model = model
-        self.cfg = cfg
-        self.block_size = block_size
-        self.device = device
-        self.dtype = dtype
-        slots = num_blocks * block_size
-        store = STORES[kv_cache_dtype]
+        self.cfg = cfg = model.cfg
+        self.block_size = cache.block_size
+        self.device = model.device
+        self.dtype = model.dtype
+        slots = cache.num_blocks * cache.block_size
+        store = STORES[cache.kv_cache_dtype]
         self.kv_caches = [
-            store(cfg.num_kv_heads, slots, cfg.head_dim, dtype, device)
+            store(cfg.num_kv_heads, slots, cfg.head_dim, self.dtype, self.device)
             for _ in range(cfg.num_layers)
         ]
         model.bind_kv_cache(self.kv_caches)
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(self.device, seed)
 
     def slots(self, req: Request, start: int, end: int) -> np.ndarray:
         """KV cache slots of positions start..end-1 of `req`, from its block table."""

@@ -24,6 +24,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from expresslane.config import EngineConfig
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request, Status
 from expresslane.engine.step_model import StepLatencyModel
@@ -54,15 +55,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
+        config: EngineConfig,
         kv: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         lanes: dict[str, Lane] | None = None,
         step_model: StepLatencyModel | None = None,
     ):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_batch
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.lanes = lanes or build_lanes(None)
         self.lane_order = sorted(self.lanes, key=lambda name: self.lanes[name].rank)
         self.step_model = step_model or StepLatencyModel()

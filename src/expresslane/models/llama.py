@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
 from expresslane.models.kv_store import PlainKV
-from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
 from expresslane.quant.linear import Fp4Linear
 
 
@@ -65,6 +66,7 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
+        self.dtype = dtype  # the compute dtype
         self.embed = nn.Parameter(weights["embed"], requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(
@@ -76,10 +78,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = make_linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
-        self.decode_stack = None
-        self.native_head = False  # decode_stack has the output head: logits, greedy
-        self.native_rows = 0  # decode-only steps of up to this many tokens run decode_stack
-        self.native_all = False  # every step runs decode_stack (row-invariant linears)
+        self.layer_stack = None  # the C++ layer stack (kernels/decode_cpu.cpp), once bound
+        self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
@@ -91,21 +95,17 @@ class LlamaModel(nn.Module):
         """One KV store per layer (models/kv_store.py); plain tensors are wrapped."""
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attn.kv = PlainKV.wrap(cache) if isinstance(cache, torch.Tensor) else cache
-        self.decode_stack = build_decode_stack(self)
-        self.native_head = (
-            self.decode_stack is not None and self.lm_head.kernel_weights() is not None
+        self.layer_stack = build_layer_stack(self)
+        self.plan = ExecutionPlan.of(
+            self.dtype,
+            type(self.layers[0].attn.kv).__name__,
+            self.lm_head.path,
+            [m.path for m in self.layer_linears()],
+            self.layer_stack is not None,
         )
-        fp4 = isinstance(self.layers[0].qkv, Fp4Linear)
-        self.native_rows = Fp4Linear.DECODE_ROWS if fp4 else Linear.SMALL_BATCH
-        # With linears that are fast and row-invariant at any batch (bf16 dot products) every
-        # step runs the native kernels: then a sequence's greedy tokens do not depend on what
-        # it was batched with (speculation, other requests, prompt chunking, cached prefixes).
-        linears = [self.lm_head] + [
-            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
-        self.native_all = self.decode_stack is not None and all(
-            getattr(m, "row_invariant", False) for m in linears
-        )
+
+    def layer_linears(self) -> list[nn.Module]:
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     @torch.inference_mode()
     def forward(
@@ -119,14 +119,11 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         decode_only = meta.num_decode_tokens == x.shape[0]
-        native = self.native_all or (decode_only and x.shape[0] <= self.native_rows)
-        if self.decode_stack is not None and native:
+        if self.plan.uses_stack(x.shape[0], decode_only):
             q_lens, starts, slots, ctx = meta.sequences()
-            x = self.decode_stack.forward(
-                x, cos, sin, meta.slot_mapping, slots, ctx, q_lens, starts
-            )
-            if self.native_head:  # the final norm and the head in the same native module
-                return self.decode_stack.logits(x, logits_indices)
+            x = self.layer_stack.forward(x, cos, sin, meta.slot_mapping, slots, ctx, q_lens, starts)
+            if self.plan.native_head:  # the final norm and the head in the same native module
+                return self.layer_stack.logits(x, logits_indices)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, meta)
@@ -138,17 +135,17 @@ class LlamaModel(nn.Module):
         self, head_rows: torch.Tensor, ids: torch.Tensor, compute_dtype: torch.dtype
     ) -> None:
         """`greedy` picks among the tokens `ids` only (sorted), scoring them with
-        `head_rows`, the output head's weight rows for those tokens. Needs `native_head`."""
+        `head_rows`, the output head's weight rows for those tokens. Needs `plan.native_head`."""
         head = make_linear(head_rows)
         head.prepare_cpu(compute_dtype)
-        self.decode_stack.set_greedy_vocab(head.kernel_weights(), ids)
+        self.layer_stack.set_greedy_vocab(head.kernel_weights(), ids)
 
     @torch.inference_mode()
     def greedy(self, unseen: list[list[int]], starts: list[int], slots: torch.Tensor, steps: int):
         """`steps` greedy tokens per sequence in one native call (a draft model's proposals).
         unseen[i]: the tokens of sequence i past its starts[i] cached ones; slots: [B, L] of
-        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `native_head`."""
-        return self.decode_stack.greedy(
+        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `plan.native_head`."""
+        return self.layer_stack.greedy(
             [torch.tensor(u) for u in unseen],
             torch.tensor(starts),
             slots.reshape(-1),
@@ -160,12 +157,12 @@ class LlamaModel(nn.Module):
         )
 
 
-def build_decode_stack(model: LlamaModel):
-    """The C++ decode step (kernels/decode_cpu.cpp) when every linear layer runs a CPU kernel
+def build_layer_stack(model: LlamaModel):
+    """The C++ layer stack (kernels/decode_cpu.cpp) when every layer linear runs a CPU kernel
     (bf16 or FP4); None otherwise (then the Python layers run)."""
     layers = model.layers
-    linears = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if not linears or any(m.kernel_weights() is None for m in linears):
+    linears = model.layer_linears()
+    if not linears or any(m.path not in STACK_PATHS for m in linears):
         return None
     caches = [layer.attn.kv.native() for layer in layers]
     if any(c is None for c in caches):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from expresslane.kernels import triton_fp4_linear
+from expresslane.kernels.plan import LinearPath, fp4_path
 from expresslane.quant.formats import Fp4Format, Fp4Tensor
 
 
@@ -55,18 +56,11 @@ class Fp4Linear(nn.Module):
     """y = x W^T + b with W stored as FP4.
 
     On CPUs with AVX2 every batch runs the kernel in kernels/fp4_cpu.cpp, which expands codes
-    in registers (activations quantized to int8 per 32 values where K is a multiple of 32).
-    Each row's result does not depend on the rows beside it (`row_invariant`), and the kernel
-    is as fast as expanding the whole weight for a float32 GEMM even at 512 rows (SmolLM2's
-    gate/up at 512 rows: 6.9 against 8.3 ms; 8 rows: 0.11 against 0.43 ms). On CUDA the
-    Triton kernel in kernels/fp4_triton.py expands codes tile by tile inside the matmul.
-    Without the kernels (other CPUs, no Triton) every call expands with PyTorch ops:
-    `reference`, which the kernels are tested against."""
-
-    # Decode-only steps of up to this many tokens run the native decode step (LlamaModel)
-    # where not every step does (an output head without a row-invariant kernel): a batch-64
-    # decode step of SmolLM2-135M took 264 ms there against 506 ms in the Python layers.
-    DECODE_ROWS = 64
+    in registers (activations quantized to int8 per 32 values where K is a multiple of 32);
+    each row's result does not depend on the rows beside it (models/plan.py: `fp4_path`). On
+    CUDA the Triton kernel in kernels/fp4_triton.py expands codes tile by tile inside the
+    matmul. Without the kernels every call expands with PyTorch ops: `reference`, which the
+    kernels are tested against."""
 
     def __init__(self, weight: Fp4Weight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -76,8 +70,8 @@ class Fp4Linear(nn.Module):
         self.register_buffer("row_scales", weight.row_scales, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features = weight.packed.shape[0]
+        self.path = LinearPath.FP4_DEQUANTIZE
         self._kernel = None
-        self.row_invariant = False  # the CPU kernel runs every batch
 
     @property
     def weight_fp4(self) -> Fp4Weight:
@@ -88,10 +82,9 @@ class Fp4Linear(nn.Module):
 
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
-        kernels = cpu_kernels()
-        if kernels is not None and compute_dtype == torch.float32:
-            self._kernel = kernels.fp4_linear
-            self.row_invariant = True
+        self.path = fp4_path(compute_dtype)
+        if self.path is LinearPath.FP4_W4A8:
+            self._kernel = cpu_kernels().fp4_linear
 
     def kernel_weights(self) -> list[torch.Tensor] | None:
         return None if self._kernel is None else [self.packed, self.scales, self.row_scales]

@@ -25,7 +25,7 @@ import torch
 
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
-from expresslane.engine.runner import ModelRunner
+from expresslane.engine.runner import CacheConfig, ModelRunner
 from expresslane.engine.sampler import greedy_tokens
 from expresslane.errors import ModelLoadError
 from expresslane.models import load_model
@@ -79,7 +79,7 @@ class DraftModelProposer:
             )
         self.vocab = target_vocab_size
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-        self.runner = ModelRunner(self.model, self.cfg, num_blocks, block_size, dtype, device, seed)
+        self.runner = ModelRunner(self.model, CacheConfig(num_blocks, block_size), seed)
         self.seqs: dict[str, Shadow] = {}
         self.greedy_vocab = self._load_greedy_vocab(Path(model_dir), dtype)
 
@@ -95,7 +95,7 @@ class DraftModelProposer:
         if not ids or not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in ids):
             raise ModelLoadError(f"{path}: token ids must be in [0, {self.cfg.vocab_size})")
         vocab = torch.tensor(ids)
-        if self.model.native_head:
+        if self.model.plan.native_head:
             # a tied head is the embeddings, already loaded; an untied one is read again
             tied = self.cfg.tie_word_embeddings
             head = self.model.embed if tied else read_checkpoint(model_dir).get("lm_head.weight")
@@ -151,7 +151,7 @@ class DraftModelProposer:
         own token). False if unavailable or out of blocks: the step loop runs instead."""
         if (
             not shadows
-            or not self.model.native_head
+            or not self.model.plan.native_head
             or any(s.num_tokens - s.num_computed_tokens > NATIVE_CATCH_UP for s in shadows)
         ):
             return False

@@ -1,0 +1,169 @@
+"""The execution plan: which kernel each linear layer runs, and which steps run the C++ layer
+stack instead of the Python layers. Chosen once when the model is laid out for its device
+(`linear_path`, `fp4_path`) and bound to its KV cache (`ExecutionPlan.of`), logged in one line
+at load; the forward pass asks the plan (`uses_stack`) and nothing else."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from expresslane import kernels
+
+# Up to this many rows the bf16 row kernel beats oneDNN where linears have no bf16 dot
+# products, and decode-only steps of up to this many tokens run the layer stack: AVX2, 63
+# against 92 ms for SmolLM2-135M's 120 layer linears at 16 rows (float32 matmul).
+ROW_KERNEL_ROWS = 16
+
+# Decode-only steps of up to this many tokens run the layer stack over FP4 linears where not
+# every step does (an output head without a row-invariant kernel): a batch-64 decode step of
+# SmolLM2-135M took 264 ms there against 506 ms in the Python layers.
+FP4_STACK_ROWS = 64
+
+
+class LinearPath(enum.StrEnum):
+    """The kernel a linear layer runs."""
+
+    BF16_DOT = "bf16-dot"  # AVX-512 BF16 dot products on packed bf16 weights, every batch
+    BF16_ROWS = "bf16-rows"  # the bf16 row kernel up to ROW_KERNEL_ROWS rows, then oneDNN
+    ONEDNN = "onednn"  # oneDNN on weights prepacked in the compute dtype
+    TORCH = "torch"  # F.linear
+    FP4_W4A8 = "fp4-w4a8"  # kernels/fp4_cpu.cpp: FP4 codes expanded in registers, every batch
+    FP4_DEQUANTIZE = "fp4-dequantize"  # the PyTorch reference, or Triton on CUDA
+
+
+# Paths whose rows come out the same whatever the batch beside them
+ROW_INVARIANT = frozenset({LinearPath.BF16_DOT, LinearPath.FP4_W4A8})
+# Paths the C++ layer stack runs (it is built when every layer linear takes one)
+STACK_PATHS = ROW_INVARIANT | {LinearPath.BF16_ROWS}
+
+
+@functools.cache
+def onednn_prepack_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a linear weight of this dtype on this CPU."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), 1)
+        x = torch.ones(1, 8, dtype=dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+        return bool(torch.allclose(y.float(), torch.full((1, 8), 8.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def compute_dtypes(
+    dtype: torch.dtype, auto: bool, device: torch.device
+) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, linear weight storage dtype) for a checkpoint in `dtype`, or asked for
+    it (`auto` False: then it is what runs).
+
+    On CPU, a bf16 checkpoint computes in float32 and keeps its bf16 linear weights: decode
+    batches run the layer stack, which reads the bf16 bytes and sums in float32 (with AVX-512
+    BF16, products of bf16-rounded activations): 141 against 69 tok/s for bf16 compute at
+    batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M). A half dtype without kernels computes in
+    float32 only where its matmuls are slow (no oneDNN prepacking for it)."""
+    upcast = auto and device.type == "cpu" and dtype != torch.float32
+    if upcast and (
+        (dtype == torch.bfloat16 and kernels.cpu_kernels() is not None)
+        or not onednn_prepack_supported(dtype)
+    ):
+        return torch.float32, dtype if dtype == torch.bfloat16 else torch.float32
+    return dtype, dtype
+
+
+def dense_path(compute_dtype: torch.dtype) -> LinearPath:
+    """oneDNN's prepacked layout where it takes this dtype on this CPU (about 1.3-1.5x faster
+    per matmul at small batch than `F.linear`), else F.linear."""
+    return LinearPath.ONEDNN if onednn_prepack_supported(compute_dtype) else LinearPath.TORCH
+
+
+def linear_path(weight: torch.Tensor, compute_dtype: torch.dtype) -> LinearPath:
+    """The path of a dense linear on this CPU.
+
+    A bf16 checkpoint computed in float32 on a CPU with AVX-512 BF16 runs every batch in the
+    dot-product kernel (kernels/bf16dot_cpu.cpp), which rounds the activations to bf16 as
+    oneDNN's bf16 matmul does and is faster than it at every batch size measured (0.2-0.97x
+    its time from 1 to 512 rows, benchmarks/native_steps.py). Without AVX-512 BF16 the row
+    kernel takes small batches (it moves half the bytes of a float32 matmul)."""
+    if weight.dtype == torch.bfloat16 and compute_dtype == torch.float32:
+        built = kernels.cpu_kernels()
+        if built is not None and built.bf16_dot_available() and _dot_packable(weight):
+            return LinearPath.BF16_DOT
+        if built is not None:  # the row kernel takes any shape
+            return LinearPath.BF16_ROWS
+    return dense_path(compute_dtype)
+
+
+def fp4_path(compute_dtype: torch.dtype) -> LinearPath:
+    """The FP4 kernel (AVX2) in float32 compute: as fast as expanding the whole weight for a
+    float32 GEMM even at 512 rows (SmolLM2's gate/up at 512 rows: 6.9 against 8.3 ms)."""
+    if compute_dtype == torch.float32 and kernels.cpu_kernels() is not None:
+        return LinearPath.FP4_W4A8
+    return LinearPath.FP4_DEQUANTIZE
+
+
+def _dot_packable(w: torch.Tensor) -> bool:
+    """Whether the bf16 dot-product kernel takes this weight: 16-column blocks, k pairs."""
+    return w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What runs where, for one loaded model."""
+
+    compute: str  # the activations' dtype
+    kv_cache: str  # the KV store (models/kv_store.py)
+    linears: dict[LinearPath, int]  # how many linear layers (the output head too) take each path
+    stack: bool  # the C++ layer stack is built (every layer linear runs a CPU kernel)
+    stack_rows: int  # decode-only steps of up to this many tokens run the stack
+    every_step: bool  # every step runs the stack: all linears row-invariant
+    native_head: bool  # the stack also runs the final norm and the head (logits, greedy)
+
+    @classmethod
+    def of(
+        cls,
+        compute: torch.dtype,
+        kv_cache: str,
+        head: LinearPath,
+        layers: list[LinearPath],
+        stack: bool,
+    ) -> ExecutionPlan:
+        """The plan of a model whose output head and layer linears take these paths, with or
+        without the C++ layer stack built."""
+        paths = [head, *layers]
+        fp4 = LinearPath.FP4_W4A8 in paths or LinearPath.FP4_DEQUANTIZE in paths
+        # With linears that are fast and row-invariant at any batch every step runs the
+        # stack: then a sequence's greedy tokens do not depend on what it was batched with
+        # (speculation, other requests, prompt chunking, cached prefixes).
+        return cls(
+            compute=str(compute).removeprefix("torch."),
+            kv_cache=kv_cache,
+            linears=dict(Counter(paths)),
+            stack=stack,
+            stack_rows=(FP4_STACK_ROWS if fp4 else ROW_KERNEL_ROWS) if stack else 0,
+            every_step=stack and all(p in ROW_INVARIANT for p in paths),
+            native_head=stack and head in STACK_PATHS,
+        )
+
+    def uses_stack(self, num_tokens: int, decode_only: bool) -> bool:
+        """Whether a step of `num_tokens` tokens runs the C++ layer stack."""
+        return self.stack and (self.every_step or (decode_only and num_tokens <= self.stack_rows))
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Greedy tokens do not depend on the batch (every step takes the same kernels)."""
+        return self.every_step
+
+    def describe(self) -> str:
+        linears = ", ".join(f"{n} {path}" for path, n in self.linears.items())
+        if not self.stack:
+            steps = "every step in the Python layers"
+        elif self.every_step:
+            steps = "every step in the C++ layer stack"
+        else:
+            steps = f"decode steps of <= {self.stack_rows} tokens in the C++ layer stack"
+        head = ", head in the stack" if self.native_head else ""
+        return f"{self.compute} compute, {self.kv_cache}; linears: {linears}; {steps}{head}"

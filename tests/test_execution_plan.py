@@ -1,0 +1,81 @@
+"""The execution plan: the path each linear takes and which steps run the C++ layer stack."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from expresslane import kernels
+from expresslane.kernels import cpu_kernels, plan
+from expresslane.kernels.plan import FP4_STACK_ROWS, ROW_KERNEL_ROWS, ExecutionPlan, LinearPath
+
+P = LinearPath
+
+
+def make(head: LinearPath, layers: LinearPath, stack: bool = True) -> ExecutionPlan:
+    return ExecutionPlan.of(torch.float32, "PlainKV", head, [layers] * 8, stack)
+
+
+def test_row_invariant_linears_run_every_step_in_the_stack():
+    p = make(P.BF16_DOT, P.BF16_DOT)
+    assert p.every_step and p.batch_invariant and p.native_head
+    assert p.uses_stack(4096, decode_only=False) and p.uses_stack(1, decode_only=True)
+    assert p.linears == {P.BF16_DOT: 9}
+
+
+def test_row_kernels_run_small_decode_steps_only():
+    p = make(P.BF16_ROWS, P.BF16_ROWS)
+    assert not p.every_step and p.native_head and p.stack_rows == ROW_KERNEL_ROWS
+    assert p.uses_stack(ROW_KERNEL_ROWS, decode_only=True)
+    assert not p.uses_stack(ROW_KERNEL_ROWS + 1, decode_only=True)
+    assert not p.uses_stack(2, decode_only=False)  # a prompt token in the step
+    assert "<= 16 tokens" in p.describe()
+
+
+def test_fp4_layers_with_a_dense_head():
+    p = make(P.ONEDNN, P.FP4_W4A8)
+    assert not p.every_step and not p.native_head and p.stack_rows == FP4_STACK_ROWS
+    assert p.uses_stack(FP4_STACK_ROWS, decode_only=True)
+    assert "fp4-w4a8" in p.describe() and "head in the stack" not in p.describe()
+
+
+def test_without_the_stack_every_step_runs_the_python_layers():
+    p = make(P.BF16_DOT, P.BF16_DOT, stack=False)
+    assert not p.every_step and not p.native_head and p.stack_rows == 0
+    assert not p.uses_stack(1, decode_only=True)
+    assert "Python layers" in p.describe()
+
+
+def test_linear_paths_follow_the_machine(monkeypatch):
+    w = torch.randn(32, 64).bfloat16()
+    assert plan.linear_path(w, torch.bfloat16) in (P.ONEDNN, P.TORCH)  # bf16 compute: dense
+    assert plan.fp4_path(torch.bfloat16) is P.FP4_DEQUANTIZE
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no compiler
+    assert plan.linear_path(w, torch.float32) is plan.dense_path(torch.float32)
+    assert plan.fp4_path(torch.float32) is P.FP4_DEQUANTIZE
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
+def test_bf16_weights_take_the_kernels():
+    w = torch.randn(32, 64).bfloat16()
+    dot = cpu_kernels().bf16_dot_available()
+    assert plan.linear_path(w, torch.float32) is (P.BF16_DOT if dot else P.BF16_ROWS)
+    odd = torch.randn(24, 64).bfloat16()  # not 16-column blocks: the row kernel takes it
+    assert plan.linear_path(odd, torch.float32) is P.BF16_ROWS
+    assert plan.fp4_path(torch.float32) is P.FP4_W4A8
+
+
+def test_the_engine_logs_the_plan_it_runs(caplog):
+    from expresslane import LLM
+
+    with caplog.at_level(logging.INFO, logger="expresslane.engine"):
+        llm = LLM(max_model_len=256)
+    model = llm.engine.model
+    logged = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
+    assert logged == [f"execution plan: {model.plan.describe()}"]
+    linears = [model.lm_head, *model.layer_linears()]
+    assert sum(model.plan.linears.values()) == len(linears)
+    assert all(model.plan.linears[m.path] for m in linears)
+    assert model.plan.stack == (model.layer_stack is not None)
