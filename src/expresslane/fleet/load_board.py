@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import ray
 
+from expresslane.fleet.names import shared_actor
+
 log = logging.getLogger("expresslane.fleet")
 
 BOARD_NAME = "expresslane-load-board"
@@ -45,9 +47,7 @@ LoadBoard = ray.remote(num_cpus=0)(LoadRecord)
 
 def board():
     """The fleet's board (made by whoever asks first)."""
-    return LoadBoard.options(
-        name=BOARD_NAME, namespace="serve", get_if_exists=True, lifetime="detached"
-    ).remote()
+    return shared_actor(LoadBoard, BOARD_NAME)
 
 
 def report_loop(pool: str, replica: str, load: Callable[[], dict], stop: threading.Event):

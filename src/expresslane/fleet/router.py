@@ -21,6 +21,8 @@ from collections import OrderedDict
 import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from expresslane.fleet.names import shared_actor
+
 MAX_BLOCKS = 200_000  # remembered block owners (LRU); ~40 bytes of hash each
 
 
@@ -67,9 +69,7 @@ PrefixIndex = ray.remote(num_cpus=0)(PrefixRecord)
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 4, index_name: str = "expresslane-prefixes"):
         self._imbalance = imbalance
-        self._index = PrefixIndex.options(
-            name=index_name, namespace="serve", get_if_exists=True, lifetime="detached"
-        ).remote()
+        self._index = shared_actor(PrefixIndex, index_name)
 
     def _load(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
