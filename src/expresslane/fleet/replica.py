@@ -11,6 +11,7 @@ stream aborts it in the engine (async_engine.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -27,6 +28,20 @@ def replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (direct use in tests)
         return f"local-{os.getpid()}"
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process on `cores`, not only the calling one (Linux pins threads
+    one by one): Ray's transfer threads and Serve's event loop share the engine's GIL, and
+    one of them descheduled on a busy core outside the pool's would stall the engine too.
+    Threads started later inherit the pin of the thread that starts them."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux
+        threads = [0]
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
 
 
 class EngineReplica:
@@ -47,7 +62,7 @@ class EngineReplica:
         from expresslane.engine.engine import LLMEngine
 
         if cpu_affinity:
-            os.sched_setaffinity(0, cpu_affinity)
+            pin_process(cpu_affinity)
         torch.set_num_threads(max(1, threads))
         self.pool, self.tiers, self.stream_interval = pool, tiers, stream_interval
         self.replica = replica_id()
