@@ -17,6 +17,25 @@ kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels here")
 
 
+@needs_kernels
+def test_the_modules_constants_are_the_python_enums():
+    """The integers the module and Python share (kernels/constants.h) are kernels/constants.py's,
+    and the stores and formats pass them."""
+    from expresslane.kernels.constants import KVKind, ScaleKind
+    from expresslane.models.kv_store import STORES
+    from expresslane.quant.formats import MXFP4, NVFP4
+
+    for enum, prefix in ((KVKind, "KV_KIND_"), (ScaleKind, "SCALE_KIND_")):
+        exported = {
+            n.removeprefix(prefix): getattr(kernels, n)
+            for n in dir(kernels)
+            if n.startswith(prefix)
+        }
+        assert exported == {kind.name: kind.value for kind in enum}
+    assert [store.NATIVE_KIND for store in STORES.values()] == list(KVKind)
+    assert (MXFP4.kernel_scale_kind, NVFP4.kernel_scale_kind) == (ScaleKind.E8M0, ScaleKind.E4M3)
+
+
 def _random_linear(m: int, n: int, k: int, bias: bool):
     """x [m, k] float32, w [n, k] bf16 and an optional bias, seeded by the shape."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -299,7 +318,8 @@ def test_native_decode_step_matches_the_python_layers(
             model.layer_stack.logits(out.clone(), None), expected, atol=2e-4, rtol=2e-4
         )
     # the new tokens' K/V as the native step stored them: the store's own encoding (a rare
-    # byte may differ where the two paths' float K/V straddle a rounding boundary)
+    # byte may differ where the two paths' float K/V straddle a rounding boundary; the same
+    # floats encode byte for byte: tests/test_kv_store.py)
     for store, python_written in zip(runner.kv_caches, written, strict=True):
         for mine, theirs in zip(store.native(), python_written, strict=True):
             mine = mine[:, :, meta.slot_mapping]

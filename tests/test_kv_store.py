@@ -8,6 +8,7 @@ import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import InvalidRequestError
+from expresslane.kernels import cpu_kernels
 from expresslane.models.kv_store import STORES
 
 from .conftest import random_prompts
@@ -29,6 +30,35 @@ def test_compressed_store_round_trip_and_size(dtype, max_err, min_saving):
         assert err.max() < max_err
     bf16 = STORES["auto"].bytes_per_token(2, 64, torch.bfloat16)
     assert 1 - store.bytes_per_token(2, 64, torch.float32) / bf16 >= min_saving
+
+
+def _hard_kv(g: torch.Generator, t: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows [t, hkv, d] of magnitudes 1e-30 to 1e30, with the quantizers' edge cases."""
+    k, v = (torch.randn(t, hkv, d, generator=g) for _ in range(2))
+    k *= torch.logspace(-30, 30, t).view(t, 1, 1)
+    v *= torch.logspace(-8, 8, t).view(t, 1, 1)
+    k[0], k[1] = 0.0, -0.0  # all-zero rows: a zero scale (NaN codes in an FP8 store)
+    v[0, :, ::3] = -0.0  # negative zeros among other values
+    v[1, 0, 5], v[2, 1, :16] = 3e38, 1e38  # one huge value, a huge block: the scale clamps
+    v[3] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).repeat(d // 8)  # E2M1 ties
+    v[4] = 1e-6  # the FP8 scale underflows float16
+    return k, v
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp4"])
+def test_the_native_write_is_the_stores_write_byte_for_byte(dtype):
+    """The C++ decode step's K/V write (kernels/paged_kv.h, reached through the module's
+    write_kv) against the store's own `write`, the reference: every byte, values and scales."""
+    g = torch.Generator().manual_seed(7)
+    hkv, d, t, slots_total = 2, 64, 48, 80
+    k, v = _hard_kv(g, t, hkv, d)
+    slots = torch.randperm(slots_total, generator=g)[:t]
+    python, native = (STORES[dtype](hkv, slots_total, d, torch.float32, "cpu") for _ in range(2))
+    python.write(k, v, slots)
+    cpu_kernels().write_kv(native.native(), native.NATIVE_KIND, k, v, slots)
+    for mine, reference in zip(native.native(), python.native(), strict=True):
+        assert torch.equal(mine.view(torch.uint8), reference.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])

@@ -23,7 +23,14 @@ except ImportError:  # Windows
 
 log = logging.getLogger("expresslane.kernels")
 _SRC = Path(__file__).parent
-SOURCES = ("gemv_cpu.cpp", "bf16dot_cpu.cpp", "decode_cpu.cpp", "fp4_cpu.cpp", "mask_cpu.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "gemv_cpu.cpp",
+    "bf16dot_cpu.cpp",
+    "decode_cpu.cpp",
+    "fp4_cpu.cpp",
+    "mask_cpu.cpp",
+)
 
 
 # torch's "AVX512" capability means AVX-512 F, BW, VL and DQ (kernels use them under #ifdef);

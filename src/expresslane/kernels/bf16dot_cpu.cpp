@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 
 #ifdef __AVX512BF16__
 namespace {

@@ -19,22 +19,27 @@
 #include <vector>
 
 #include "common.h"
+#include "constants.h"
+#include "kernels.h"
 
 namespace {
 
+using expresslane::ScaleKind;
+using expresslane::value;
+
 alignas(16) const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// Scale byte -> float, halved to undo the doubled E2M1 table. kind 0: E8M0, 1: E4M3.
-const float* scale_table(int64_t kind) {
+// Scale byte -> float, halved to undo the doubled E2M1 table.
+const float* scale_table(ScaleKind kind) {
   static const std::array<std::array<float, 256>, 2> tables = [] {
     std::array<std::array<float, 256>, 2> t{};
     for (int i = 0; i < 256; ++i) {
-      t[0][i] = i == 255 ? NAN : std::ldexp(0.5f, i - 127);
-      t[1][i] = 0.5f * expresslane::e4m3_table()[i];
+      t[value(ScaleKind::kE8M0)][i] = i == 255 ? NAN : std::ldexp(0.5f, i - 127);
+      t[value(ScaleKind::kE4M3)][i] = 0.5f * expresslane::e4m3_table()[i];
     }
     return t;
   }();
-  return tables[kind].data();
+  return tables[value(kind)].data();
 }
 
 using expresslane::hsum;
@@ -167,16 +172,16 @@ QuantizedX quantize_activations(const float* x, int64_t M, int64_t K, int64_t bl
 // nonnegative. E4M3: normal values by moving the bits into place, subnormals (exponent 0,
 // value m / 512) by conversion. E8M0: 2^(e - 128), with e <= 1 (2^-126 and less) read as 0 and
 // e = 255 (NaN) as 2^127.
-inline __m256 decode_scales8(const uint8_t* p, int64_t kind) {
+inline __m256 decode_scales8(const uint8_t* p, ScaleKind kind) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if (kind == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(1)), _mm256_set1_epi32(1)), 23));
+  if (kind == ScaleKind::kE8M0) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(1)), _mm256_set1_epi32(1)), 23));
   const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(c, 20), _mm256_set1_epi32(119 << 23)));
   const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(1.0f / 1024.0f));
   return _mm256_blendv_ps(subnormal, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
 }
 
 // n consecutive scale bytes (the block scales of several whole rows) -> floats.
-void decode_scales(const uint8_t* scales, int64_t n, int64_t kind, const float* table, float* out) {
+void decode_scales(const uint8_t* scales, int64_t n, ScaleKind kind, const float* table, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, decode_scales8(scales + i, kind));
   for (; i < n; ++i) out[i] = table[scales[i]];
@@ -334,7 +339,7 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
 
 template <int M, int BS>
 void gemv_i8(const QuantizedX& xq, int64_t row0, const uint8_t* codes, const uint8_t* scales,
-             const float* row_scales, int64_t kind, const float* table, float* y, int64_t K, int64_t N,
+             const float* row_scales, ScaleKind kind, const float* table, float* y, int64_t K, int64_t N,
              const float* bias) {
   constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;  // weight rows per pass; R * M accumulators
   const int64_t groups = K / 32, nb = K / BS, n8 = (nb + 7) / 8 * 8;
@@ -364,7 +369,7 @@ void gemv(const float* x, const uint8_t* codes, const uint8_t* scales, const flo
 }
 
 template <int BS>
-void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales, int64_t kind,
+void run(const float* x, const uint8_t* codes, const uint8_t* scales, const float* row_scales, ScaleKind kind,
          const float* table, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
   if (K % 32 == 0) {
     const QuantizedX xq = quantize_activations(x, M, K, BS);
@@ -406,7 +411,8 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: float32 [M, K]");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kUInt8, "codes, scales: uint8");
   TORCH_CHECK(block == 16 || block == 32, "block size 16 or 32");
-  TORCH_CHECK(scale_kind == 0 || scale_kind == 1, "scale kind 0 (E8M0) or 1 (E4M3)");
+  TORCH_CHECK(scale_kind == value(ScaleKind::kE8M0) || scale_kind == value(ScaleKind::kE4M3),
+              "scale kind 0 (E8M0) or 1 (E4M3)");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % block == 0 && codes.size(1) * 2 == K && scales.size(1) * block == K, "shapes");
   TORCH_CHECK(row_scales.dtype() == torch::kFloat32 && row_scales.numel() == N, "row scales");
@@ -416,9 +422,10 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias_holder;
   const float* b = expresslane::float_bias(bias, bias_holder);
-  const float* table = scale_table(scale_kind);
+  const ScaleKind kind = static_cast<ScaleKind>(scale_kind);
+  const float* table = scale_table(kind);
   auto* run_fn = block == 16 ? &run<16> : &run<32>;
   run_fn(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), row_scales.data_ptr<float>(),
-         scale_kind, table, y.data_ptr<float>(), M, K, N, b);
+         kind, table, y.data_ptr<float>(), M, K, N, b);
   return y;
 }

@@ -15,6 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from expresslane.kernels.constants import ScaleKind
+
+_E8M0 = tl.constexpr(int(ScaleKind.E8M0))  # jit functions read globals only as constexprs
+
 
 @triton.jit
 def e2m1_value(codes):
@@ -29,9 +33,9 @@ def e2m1_value(codes):
 @triton.jit
 def block_scale(bits, SCALE_KIND: tl.constexpr):
     bits = bits.to(tl.int32)
-    if SCALE_KIND == 0:  # E8M0: 2^(bits - 127)
+    if SCALE_KIND == _E8M0:  # 2^(bits - 127)
         return tl.exp2(bits.to(tl.float32) - 127.0)
-    exponent = (bits >> 3) & 15  # E4M3 (fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits
+    exponent = (bits >> 3) & 15  # ScaleKind.E4M3 (fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits
     mantissa = (bits & 7).to(tl.float32) * 0.125
     normal = (1.0 + mantissa) * tl.exp2(exponent.to(tl.float32) - 7.0)
     value = tl.where(exponent == 0, mantissa * 0.015625, normal)
@@ -129,7 +133,7 @@ def fp4_linear_triton(
     row_scales: torch.Tensor,
     bias: torch.Tensor | None,
     block_size: int,
-    scale_kind: int,
+    scale_kind: ScaleKind,
 ) -> torch.Tensor:
     """x [..., K] (fp32/bf16/fp16) times the FP4 weight's transpose -> [..., N] in x.dtype."""
     lead = x.shape[:-1]
@@ -156,7 +160,7 @@ def fp4_linear_triton(
         out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK=block_size,
-        SCALE_KIND=scale_kind,
+        SCALE_KIND=int(scale_kind),  # a ScaleKind
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -153,22 +154,4 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     }
   });
   return y;
-}
-
-void register_decode_stack(pybind11::module& m);
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows);
-torch::Tensor pack_bf16_dot(torch::Tensor w);
-torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-bool bf16_dot_available();
-torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
-                         c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_decode_stack(m);
-  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place");
-  m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
-  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
-  m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
-  m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]");
-  m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)");
 }

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels.h"
+
 // logits: float32 [B, V], changed in place; rows: int64 [R], the logits rows to mask; bitmask: int32 [M, W];
 // mask_rows: int64 [R], each row's bitmask row. Bit t % 32 of word t / 32 set: token t is allowed.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows) {

@@ -1,76 +1,22 @@
-// Attention over the paged KV cache, read in place (plain, FP8 or FP4 blocks): used by the
-// native step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers' decodes.
+// Attention over the paged KV cache (paged_kv.h), read in place (plain, FP8 or FP4 blocks):
+// used by the native step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers'
+// decodes.
 // Tested against models/attention.py's gather + matmul path.
 #pragma once
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "common.h"
+#include "constants.h"
 #include "decode_ops.h"
+#include "paged_kv.h"
 
 namespace expresslane {
-
-constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
-
-// One layer's paged KV cache: float32 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes
-// [2, Hkv, slots, D] + float16 scales [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes
-// [2, Hkv, slots, D/2] + E4M3 scales per 16 values [2, Hkv, slots, D/16]
-// (models/kv_store.py PlainKV, Fp8KV, Fp4KV: native()).
-struct PagedKV {
-  std::vector<torch::Tensor> kv;
-  int64_t kind = 0;  // 0 plain, 1 FP8, 2 FP4
-  int64_t Hkv = 0, D = 0, S = 0;  // kv heads, head dim, slots
-  uint8_t* values = nullptr;  // kv[0]'s data
-  const void* scales = nullptr;  // kv[1]'s data (FP8, FP4)
-
-  PagedKV() = default;
-  PagedKV(std::vector<torch::Tensor> tensors, int64_t kind_, int64_t head_dim) : kind(kind_), D(head_dim) {
-    TORCH_CHECK(tensors.size() == (kind == 0 ? 1u : 2u) && kind >= 0 && kind <= 2, "kv: [cache] or [values, scales]");
-    const auto& v = tensors[0];
-    TORCH_CHECK(v.is_contiguous() && v.dim() == 4 && v.size(0) == 2 && v.size(3) == (kind == 2 ? D / 2 : D) &&
-                    v.dtype() == (kind == 0 ? torch::kFloat32 : torch::kUInt8),
-                "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
-    TORCH_CHECK(kind == 0 || (tensors[1].is_contiguous() && tensors[1].size(2) == v.size(2) &&
-                              tensors[1].dtype() == (kind == 1 ? torch::kFloat16 : torch::kUInt8) &&
-                              tensors[1].size(3) == (kind == 1 ? 1 : D / 16)),
-                "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
-    kv = {v, kind == 0 ? torch::Tensor() : tensors[1]};
-    Hkv = v.size(1);
-    S = v.size(2);
-    values = static_cast<uint8_t*>(v.data_ptr());  // raw pointers: row() runs ~10^5 times a step
-    if (kind > 0) scales = kv[1].data_ptr();
-  }
-  int64_t slots() const { return S; }
-
-  // Row `slot` of kv head h of K (which 0) or V (which 1): in place for a float32 cache, else
-  // dequantized into buf.
-  const float* row(int64_t which, int64_t h, int64_t slot, float* buf) const {
-    const int64_t r = (which * Hkv + h) * S + slot;
-    if (kind == 0) return reinterpret_cast<const float*>(values) + r * D;
-    const float* e4m3 = e4m3_table();
-    if (kind == 1) {
-      const uint8_t* bytes = values + r * D;
-      const float scale = static_cast<float>(static_cast<const c10::Half*>(scales)[r]);
-      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
-      return buf;
-    }
-    const uint8_t* codes = values + r * (D / 2);
-    const uint8_t* row_scales = static_cast<const uint8_t*>(scales) + r * (D / 16);
-    for (int64_t i = 0; i < D; i += 2) {
-      const float scale = e4m3[row_scales[i / 16]];
-      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
-      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
-    }
-    return buf;
-  }
-};
 
 // q . k for every key row in `keys` (n of them), times `scale`, into s[0..n) (AVX2). Each
 // score is bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across
@@ -291,7 +237,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   const int64_t grain = std::max<int64_t>(1, 65536 * n / work);
   at::parallel_for(0, n, grain, [&](int64_t p0, int64_t p1) {
     const int64_t max_rows = kBlock * G;
-    std::vector<float> scores(max_rows * L), expanded(c.kind == 0 ? 0 : 2 * L * D);
+    std::vector<float> scores(max_rows * L), expanded(c.kind == KVKind::kPlain ? 0 : 2 * L * D);
     std::vector<const float*> keys(L), values(L), queries(max_rows);
     std::vector<float*> weights(max_rows), outs(max_rows);
     std::vector<int64_t> seen_by(max_rows);
@@ -301,8 +247,8 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
       const int64_t* seq = slots + b * L;
       const int64_t seen = std::min(L, starts[b] + it.j1);  // positions any query here sees
       for (int64_t pos = 0; pos < seen; ++pos) {
-        float* kbuf = c.kind == 0 ? nullptr : expanded.data() + pos * D;
-        float* vbuf = c.kind == 0 ? nullptr : expanded.data() + (L + pos) * D;
+        float* kbuf = c.kind == KVKind::kPlain ? nullptr : expanded.data() + pos * D;
+        float* vbuf = c.kind == KVKind::kPlain ? nullptr : expanded.data() + (L + pos) * D;
         keys[pos] = c.row(0, h, seq[pos], kbuf);
         values[pos] = c.row(1, h, seq[pos], vbuf);
       }

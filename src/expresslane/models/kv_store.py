@@ -10,8 +10,10 @@ slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute 
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
   NVFP4's block layout without the tensor scale: D/2 + D/16 bytes (72% less than bf16).
 
-Compressed stores dequantize what they read. The C++ decode step writes and reads their rows
-itself, with the same rounding, and dequantizes them inside its attention loop.
+Compressed stores dequantize what they read. Their `write` is the reference quantization
+(scales and rounding): the C++ decode step writes their rows itself with a copy of it
+(kernels/paged_kv.h, PagedKV::write_row), byte for byte the same (tests/test_kv_store.py), and
+dequantizes them inside its attention loop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from expresslane import names
+from expresslane.kernels.constants import KVKind
 from expresslane.quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
@@ -53,7 +56,7 @@ class PlainKV:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self.tensor.index_select(2, slots)
 
-    NATIVE_KIND = 0  # how kernels/decode_cpu.cpp reads the tensors of `native()`
+    NATIVE_KIND = KVKind.PLAIN  # how the C++ kernels (kernels/paged_kv.h) read `native()`
 
     def native(self) -> list[torch.Tensor] | None:
         """What the C++ decode step reads (it computes in float32), or None."""
@@ -76,6 +79,7 @@ class Fp8KV:
         return 2 * num_kv_heads * (head_dim + 2)
 
     def write(self, k, v, slots) -> None:
+        # the reference: PagedKV::write_fp8 (kernels/paged_kv.h) must round exactly so
         x = torch.stack((k, v)).transpose(1, 2).float()  # [2, Hkv, T, D]
         scale = (x.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-8).half()
         e4m3 = (x / scale.float()).to(torch.float8_e4m3fn)
@@ -86,10 +90,10 @@ class Fp8KV:
         values = self.values.index_select(2, slots).view(torch.float8_e4m3fn).float()
         return (values * self.scales.index_select(2, slots).float()).to(self.dtype)
 
-    NATIVE_KIND = 1
+    NATIVE_KIND = KVKind.FP8
 
     def native(self) -> list[torch.Tensor] | None:
-        """The C++ decode step writes and reads these the same way (kernels/decode_cpu.cpp)."""
+        """The C++ decode step writes and reads these the same way (kernels/paged_kv.h)."""
         return [self.values, self.scales] if self.dtype == torch.float32 else None
 
 
@@ -112,6 +116,7 @@ class Fp4KV:
         return 2 * num_kv_heads * (head_dim // 2 + head_dim // cls.BLOCK)
 
     def write(self, k, v, slots) -> None:
+        # the reference: PagedKV::write_fp4 (kernels/paged_kv.h) must round exactly so
         x = torch.stack((k, v)).transpose(1, 2).float()  # [2, Hkv, T, D]
         two, hkv, t, d = x.shape
         blocks = x.reshape(two, hkv, t, d // self.BLOCK, self.BLOCK)
@@ -130,10 +135,10 @@ class Fp4KV:
         out = values.view(two, hkv, n, d // self.BLOCK, self.BLOCK) * scales.unsqueeze(-1)
         return out.view(two, hkv, n, d).to(self.dtype)
 
-    NATIVE_KIND = 2
+    NATIVE_KIND = KVKind.FP4
 
     def native(self) -> list[torch.Tensor] | None:
-        """The C++ decode step writes and reads these the same way (kernels/decode_cpu.cpp)."""
+        """The C++ decode step writes and reads these the same way (kernels/paged_kv.h)."""
         return [self.codes, self.scales] if self.dtype == torch.float32 else None
 
 

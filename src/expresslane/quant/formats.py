@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expresslane.kernels.constants import ScaleKind
 from expresslane.names import QUANTIZATIONS
 
 E2M1_VALUES = (
@@ -61,9 +62,9 @@ class Fp4Format:
         return 4 + 8 / self.block_size
 
     @property
-    def kernel_scale_kind(self) -> int:
-        """How the C++ kernels read a scale byte: 0 = E8M0, 1 = E4M3."""
-        return int(self.scale_dtype == "e4m3")
+    def kernel_scale_kind(self) -> ScaleKind:
+        """How the kernels (C++ and Triton) read a scale byte."""
+        return ScaleKind.E4M3 if self.scale_dtype == "e4m3" else ScaleKind.E8M0
 
 
 MXFP4 = Fp4Format("mxfp4", 32, "e8m0", tensor_scale=False)

@@ -1,0 +1,44 @@
+// The Python module: the kernels (kernels.h), the native step's class (decode_stack.h) and
+// the integers shared with Python (constants.h; kernels/constants.py holds the same).
+#include <torch/extension.h>
+
+#include "constants.h"
+#include "decode_stack.h"
+#include "kernels.h"
+
+namespace {
+
+using expresslane::KVKind;
+using expresslane::ScaleKind;
+using expresslane::value;
+
+void add_constants(pybind11::module& m) {
+  m.attr("KV_KIND_PLAIN") = value(KVKind::kPlain);
+  m.attr("KV_KIND_FP8") = value(KVKind::kFp8);
+  m.attr("KV_KIND_FP4") = value(KVKind::kFp4);
+  m.attr("SCALE_KIND_E8M0") = value(ScaleKind::kE8M0);
+  m.attr("SCALE_KIND_E4M3") = value(ScaleKind::kE4M3);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)");
+  m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward)
+      .def("set_head", &DecodeStack::set_head)
+      .def("logits", &DecodeStack::logits)
+      .def("set_greedy_vocab", &DecodeStack::set_greedy_vocab)
+      .def("greedy", &DecodeStack::greedy);
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place");
+  m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
+  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
+  m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
+  m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]");
+  m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)");
+  m.def("write_kv", &write_kv, "K/V [T, Hkv, D] into a store's native() tensors as the native step writes them");
+  add_constants(m);
+}

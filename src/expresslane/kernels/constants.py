@@ -1,0 +1,23 @@
+"""The integers that cross the Python/C++ boundary, named: this module and
+kernels/constants.h hold the same values (tests/test_kernels.py checks the compiled module's
+KV_KIND_* and SCALE_KIND_* against these). Readable without the compiled kernels: the Triton
+kernel and the PyTorch paths use them too."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class KVKind(IntEnum):
+    """How a layer's KV cache is stored (models/kv_store.py: each store's NATIVE_KIND)."""
+
+    PLAIN = 0  # float32 [2, Hkv, slots, D]
+    FP8 = 1  # E4M3 bytes + a float16 scale per head vector
+    FP4 = 2  # E2M1 codes + an E4M3 scale per 16 values
+
+
+class ScaleKind(IntEnum):
+    """How an FP4 weight's block-scale bytes are read (quant/formats.py: kernel_scale_kind)."""
+
+    E8M0 = 0  # MXFP4: a power of two, the byte is the exponent + 127
+    E4M3 = 1  # NVFP4: FP8 E4M3 bits

@@ -1,0 +1,36 @@
+// The functions each kernel file offers the others and the Python module (bindings.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+// gemv_cpu.cpp: x (fp32) @ W^T (bf16 [N, K]) + b, for small batches (AVX2+FMA or AVX-512).
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+// bf16dot_cpu.cpp: bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32].
+torch::Tensor pack_bf16_dot(torch::Tensor w);
+
+// bf16dot_cpu.cpp: bf16(x) @ W^T (pack_bf16_dot's layout) + b, float32 sums (AVX-512 BF16).
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+
+// bf16dot_cpu.cpp: whether this build has bf16_dot_linear (else it and pack_bf16_dot throw).
+bool bf16_dot_available();
+
+// fp4_cpu.cpp: x (fp32) @ W^T (E2M1 codes + block scales read as ScaleKind scale_kind,
+// times per-row scales) + b.
+torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
+                         c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
+
+// mask_cpu.cpp: grammar masks, the logits of tokens a row's bitmask disallows set to -inf.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows);
+
+// decode_cpu.cpp: each row's index of its first maximum, as torch.argmax.
+torch::Tensor argmax_rows(torch::Tensor x);
+
+// decode_cpu.cpp: attention of decode tokens over a store's native() tensors (paged_kv.h).
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor decode_slots,
+                               int64_t L, int64_t Q, torch::Tensor starts);
+
+// decode_cpu.cpp: K/V [T, Hkv, D] into a store's native() tensors at `slots`, as the native
+// step writes them (tested against the store's own write).
+void write_kv(std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
