@@ -37,7 +37,7 @@ def _hard_kv(g: torch.Generator, t: int, hkv: int, d: int) -> tuple[torch.Tensor
     k, v = (torch.randn(t, hkv, d, generator=g) for _ in range(2))
     k *= torch.logspace(-30, 30, t).view(t, 1, 1)
     v *= torch.logspace(-8, 8, t).view(t, 1, 1)
-    k[0], k[1] = 0.0, -0.0  # all-zero rows: a zero scale (NaN codes in an FP8 store)
+    k[0], k[1] = 0.0, -0.0  # all-zero rows: the smallest scale, zero codes
     v[0, :, ::3] = -0.0  # negative zeros among other values
     v[1, 0, 5], v[2, 1, :16] = 3e38, 1e38  # one huge value, a huge block: the scale clamps
     v[3] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).repeat(d // 8)  # E2M1 ties
@@ -59,6 +59,23 @@ def test_the_native_write_is_the_stores_write_byte_for_byte(dtype):
     cpu_kernels().write_kv(native.native(), native.NATIVE_KIND, k, v, slots)
     for mine, reference in zip(native.native(), python.native(), strict=True):
         assert torch.equal(mine.view(torch.uint8), reference.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp4"])
+def test_zero_and_tiny_rows_read_back_finite(dtype):
+    """A K/V row of zeros reads back as zeros, a row of tiny values as small finite ones
+    (FP4 flushes them to zero; an FP8 scale floor below float16's smallest step once stored
+    zero rows as NaN)."""
+    store = STORES[dtype](1, 4, 32, torch.float32, torch.device("cpu"))
+    k = torch.zeros(4, 1, 32)
+    k[1] = -0.0
+    k[2] = 1e-6 * torch.linspace(-1, 1, 32)
+    k[3] = 1e-9
+    store.write(k, k.clone(), torch.arange(4))
+    back = store.read(torch.arange(4))[0, 0]
+    assert torch.isfinite(back).all()
+    assert torch.equal(back[:2], torch.zeros(2, 32))
+    assert (back[2:] - k[2:, 0]).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])

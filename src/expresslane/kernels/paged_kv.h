@@ -99,11 +99,11 @@ struct PagedKV {
   }
 
  private:
-  // As Fp8KV.write: scale = half(max(amax / 448, 1e-8)), values e4m3(x / scale).
+  // As Fp8KV.write: scale = half(max(amax / 448, 2^-24)), values e4m3(x / scale).
   void write_fp8(int64_t r, const float* src) const {
     float amax = 0.0f;
     for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
-    const c10::Half scale(std::max(amax / 448.0f, 1e-8f));
+    const c10::Half scale(std::max(amax / 448.0f, 0x1p-24f));
     kv[1].data_ptr<c10::Half>()[r] = scale;
     uint8_t* dst = kv[0].data_ptr<uint8_t>() + r * D;
     for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(src[i] / static_cast<float>(scale)).x;

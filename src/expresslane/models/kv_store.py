@@ -81,7 +81,8 @@ class Fp8KV:
     def write(self, k, v, slots) -> None:
         # the reference: PagedKV::write_fp8 (kernels/paged_kv.h) must round exactly so
         x = torch.stack((k, v)).transpose(1, 2).float()  # [2, Hkv, T, D]
-        scale = (x.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-8).half()
+        # the floor is float16's smallest step: a zero row gets a nonzero scale (zero codes)
+        scale = (x.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=2**-24).half()
         e4m3 = (x / scale.float()).to(torch.float8_e4m3fn)
         self.values.index_copy_(2, slots, e4m3.view(torch.uint8))
         self.scales.index_copy_(2, slots, scale)
