@@ -1,7 +1,7 @@
 """Every step through the native kernels against the Python layers (demo target, SmolLM2).
 
 With AVX-512 BF16 every CPU step (prompt chunks and large batches included) runs the native
-step (kernels/decode_cpu.cpp) on the bf16 dot-product linears, so each row is computed alike
+step (kernels/layer_stack_cpu.cpp) on the bf16 dot-product linears, so each row is computed alike
 whatever else is in the step. This measures what that costs or saves, side by side in one
 process:
 

@@ -2,7 +2,7 @@
 
 Speculation pays when scoring k+1 tokens of a sequence costs about as much as scoring one
 (a memory-bound step reads the weights once either way). This times the native decode step
-(kernels/decode_cpu.cpp: every layer, then the output head) for one sequence with 1 and
+(kernels/layer_stack_cpu.cpp: every layer, then the output head) for one sequence with 1 and
 with k+1 query rows, at several context lengths, and reports each cost as a multiple of the
 1-row step. A verification of k guesses that are accepted at rate a yields
 1 + a + ... + a^k tokens; it pays where that exceeds the multiple (plus the proposal's cost).

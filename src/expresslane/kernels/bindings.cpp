@@ -1,9 +1,9 @@
-// The Python module: the kernels (kernels.h), the native step's class (decode_stack.h) and
+// The Python module: the kernels (kernels.h), the native step's class (layer_stack.h) and
 // the integers shared with Python (constants.h; kernels/constants.py holds the same).
 #include <torch/extension.h>
 
 #include "constants.h"
-#include "decode_stack.h"
+#include "layer_stack.h"
 #include "kernels.h"
 
 namespace {
@@ -25,14 +25,14 @@ void add_constants(pybind11::module& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)");
   m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)");
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward)
-      .def("set_head", &DecodeStack::set_head)
-      .def("logits", &DecodeStack::logits)
-      .def("set_greedy_vocab", &DecodeStack::set_greedy_vocab)
-      .def("greedy", &DecodeStack::greedy);
+      .def("add_layer", &LayerStack::add_layer)
+      .def("forward", &LayerStack::forward)
+      .def("set_head", &LayerStack::set_head)
+      .def("logits", &LayerStack::logits)
+      .def("set_greedy_vocab", &LayerStack::set_greedy_vocab)
+      .def("greedy", &LayerStack::greedy);
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place");
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
   m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");

@@ -24,13 +24,13 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 // mask_cpu.cpp: grammar masks, the logits of tokens a row's bitmask disallows set to -inf.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows);
 
-// decode_cpu.cpp: each row's index of its first maximum, as torch.argmax.
+// layer_stack_cpu.cpp: each row's index of its first maximum, as torch.argmax.
 torch::Tensor argmax_rows(torch::Tensor x);
 
-// decode_cpu.cpp: attention of decode tokens over a store's native() tensors (paged_kv.h).
+// layer_stack_cpu.cpp: attention of decode tokens over a store's native() tensors (paged_kv.h).
 torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor decode_slots,
                                int64_t L, int64_t Q, torch::Tensor starts);
 
-// decode_cpu.cpp: K/V [T, Hkv, D] into a store's native() tensors at `slots`, as the native
+// layer_stack_cpu.cpp: K/V [T, Hkv, D] into a store's native() tensors at `slots`, as the native
 // step writes them (tested against the store's own write).
 void write_kv(std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor k, torch::Tensor v, torch::Tensor slots);

@@ -1,5 +1,5 @@
 // Attention over the paged KV cache (paged_kv.h), read in place (plain, FP8 or FP4 blocks):
-// used by the native step (decode_cpu.cpp) and, as `decode_attention`, by the Python layers'
+// used by the native step (layer_stack_cpu.cpp) and, as `decode_attention`, by the Python layers'
 // decodes.
 // Tested against models/attention.py's gather + matmul path.
 #pragma once

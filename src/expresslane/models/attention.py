@@ -81,7 +81,7 @@ class AttentionMetadata:
 
 
 def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
-    """The C++ decode attention (kernels/decode_cpu.cpp) where it can serve this call: CPU,
+    """The C++ decode attention (kernels/layer_stack_cpu.cpp) where it can serve this call: CPU,
     float32, and a KV store it reads (`kv_tensors`: the store's native(), None if it has
     none); else None."""
     if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 8 or kv_tensors is None:

@@ -78,7 +78,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = make_linear(weights["lm_head"])
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
-        self.layer_stack = None  # the C++ layer stack (kernels/decode_cpu.cpp), once bound
+        self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
 
     @property
@@ -158,7 +158,7 @@ class LlamaModel(nn.Module):
 
 
 def build_layer_stack(model: LlamaModel):
-    """The C++ layer stack (kernels/decode_cpu.cpp) when every layer linear runs a CPU kernel
+    """The C++ layer stack (kernels/layer_stack_cpu.cpp) when every layer linear runs a CPU kernel
     (bf16 or FP4); None otherwise (then the Python layers run)."""
     layers = model.layers
     linears = model.layer_linears()
@@ -175,7 +175,7 @@ def build_layer_stack(model: LlamaModel):
     fp4 = [m for m in linears if isinstance(m, Fp4Linear)]
     block = fp4[0].fmt.block_size if fp4 else 0
     kind = fp4[0].fmt.kernel_scale_kind if fp4 else 0
-    stack = cpu_kernels().DecodeStack(
+    stack = cpu_kernels().LayerStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
     )
     for layer, cache in zip(layers, caches, strict=True):

@@ -9,7 +9,7 @@
 // bf16dot_cpu.cpp or fp4_cpu.cpp and everything else as plain loops (decode_ops.h);
 // attention reads the paged cache in place instead of gathering it (paged_attention.h). The
 // Python code is the reference it is tested against (tests/test_kernels.py). The class is
-// declared in decode_stack.h.
+// declared in layer_stack.h.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "decode_ops.h"
-#include "decode_stack.h"
+#include "layer_stack.h"
 #include "kernels.h"
 #include "paged_attention.h"
 
@@ -58,12 +58,12 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps)
+LayerStack::LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps)
     : H(num_heads), Hkv(num_kv_heads), D(head_dim), F(ffn), eps(static_cast<float>(eps)) {
   TORCH_CHECK(D % 8 == 0 && F % 8 == 0 && H % Hkv == 0, "head_dim and ffn multiples of 8, GQA groups");
 }
 
-void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
+void LayerStack::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                             c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
                             c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t kind,
                             int64_t fp4_block, int64_t fp4_scale_kind) {
@@ -82,7 +82,7 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c
   layers.push_back(l);
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                                    torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32, "float32 activations");
   auto lens = q_lens.to(torch::kInt64).contiguous();
@@ -122,24 +122,24 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
   return x;
 }
 
-void DecodeStack::set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head,
+void LayerStack::set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head,
                            int64_t fp4_block, int64_t fp4_scale_kind) {
   embed_ = embed.contiguous();
   norm_ = norm.to(torch::kFloat32).contiguous();
   head_ = {lm_head, c10::nullopt, fp4_block, fp4_scale_kind};
 }
 
-void DecodeStack::set_greedy_vocab(std::vector<torch::Tensor> lm_head_rows, torch::Tensor ids) {
+void LayerStack::set_greedy_vocab(std::vector<torch::Tensor> lm_head_rows, torch::Tensor ids) {
   greedy_ids_ = ids.to(torch::kInt64).contiguous();
   greedy_head_ = {lm_head_rows, c10::nullopt, 0, 0};
 }
 
-torch::Tensor DecodeStack::logits(torch::Tensor h, c10::optional<torch::Tensor> rows) {
+torch::Tensor LayerStack::logits(torch::Tensor h, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(embed_.defined(), "set_head first");
   return head_(final_norm(rows.has_value() ? h.index_select(0, *rows) : h.contiguous()));
 }
 
-torch::Tensor DecodeStack::greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor decode_slots,
+torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor decode_slots,
                                   int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin, int64_t vocab) {
   TORCH_CHECK(embed_.defined(), "set_head first");
   const int64_t B = static_cast<int64_t>(unseen.size());
@@ -176,7 +176,7 @@ torch::Tensor DecodeStack::greedy(std::vector<torch::Tensor> unseen, torch::Tens
   return out;
 }
 
-void DecodeStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
+void LayerStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
                               const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin,
                               int64_t vocab, int64_t* out, int64_t out_stride) {
   const int64_t T = B * Q, hidden = embed_.size(1);
@@ -206,7 +206,7 @@ void DecodeStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const
   for (int64_t b = 0; b < B; ++b) out[b * out_stride] = next.data_ptr<int64_t>()[b];
 }
 
-torch::Tensor DecodeStack::final_norm(torch::Tensor x) const {
+torch::Tensor LayerStack::final_norm(torch::Tensor x) const {
   for (int64_t t = 0; t < x.size(0); ++t) {
     float* r = x.data_ptr<float>() + t * x.size(1);
     ops::rms_norm(r, norm_.data_ptr<float>(), r, x.size(1), eps);
@@ -214,7 +214,7 @@ torch::Tensor DecodeStack::final_norm(torch::Tensor x) const {
   return x;
 }
 
-void DecodeStack::embed_row(int64_t token, float* dst) const {
+void LayerStack::embed_row(int64_t token, float* dst) const {
   const int64_t hidden = embed_.size(1);
   TORCH_CHECK(token >= 0 && token < embed_.size(0), "token id out of range");
   if (embed_.dtype() == torch::kFloat32) {
@@ -226,7 +226,7 @@ void DecodeStack::embed_row(int64_t token, float* dst) const {
   }
 }
 
-void DecodeStack::prepare_qk(const Layer& l, float* qkv, int64_t T, const float* cos, const float* sin) const {
+void LayerStack::prepare_qk(const Layer& l, float* qkv, int64_t T, const float* cos, const float* sin) const {
   each_row(T, [&](int64_t t) {
     for (int64_t head = 0; head < H + Hkv; ++head) {
       float* v = qkv + t * qkv_width() + head * D;
@@ -237,7 +237,7 @@ void DecodeStack::prepare_qk(const Layer& l, float* qkv, int64_t T, const float*
   });
 }
 
-void DecodeStack::write_kv(const PagedKV& c, const float* qkv, int64_t T, const int64_t* slots) const {
+void LayerStack::write_kv(const PagedKV& c, const float* qkv, int64_t T, const int64_t* slots) const {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t kv = 0; kv < 2; ++kv)
       for (int64_t h = 0; h < Hkv; ++h) c.write_row(kv, h, slots[t], qkv + t * qkv_width() + (H + kv * Hkv + h) * D);

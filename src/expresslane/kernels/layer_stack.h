@@ -1,5 +1,5 @@
-// The native step's model (decode_cpu.cpp): the layers' weights and paged caches, run a step
-// at a time as one C++ call. Bound to Python as DecodeStack (bindings.cpp).
+// The layer stack (layer_stack_cpu.cpp): the layers' weights and paged caches, run a step
+// at a time as one C++ call. Bound to Python as LayerStack (bindings.cpp).
 #pragma once
 #include <torch/extension.h>
 
@@ -26,9 +26,9 @@ struct Layer {
 
 }  // namespace expresslane
 
-class DecodeStack {
+class LayerStack {
  public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps);
+  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps);
 
   // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
   // fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (PagedKV).
