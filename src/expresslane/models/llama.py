@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.kernels.constants import ScaleKind
 from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
@@ -173,8 +174,8 @@ def build_layer_stack(model: LlamaModel):
     from expresslane.kernels import cpu_kernels
 
     fp4 = [m for m in linears if isinstance(m, Fp4Linear)]
-    block = fp4[0].fmt.block_size if fp4 else 0
-    kind = fp4[0].fmt.kernel_scale_kind if fp4 else 0
+    block = fp4[0].fmt.block_size if fp4 else 0  # 0: bf16 linears, no blocks
+    kind = fp4[0].fmt.kernel_scale_kind if fp4 else ScaleKind.E8M0  # read only with FP4
     stack = cpu_kernels().LayerStack(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
     )
@@ -199,6 +200,6 @@ def build_layer_stack(model: LlamaModel):
             model.norm.weight,
             head,
             fmt.block_size if fmt else 0,
-            fmt.kernel_scale_kind if fmt else 0,
+            fmt.kernel_scale_kind if fmt else ScaleKind.E8M0,
         )
     return stack
