@@ -69,6 +69,22 @@ void row_block(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64
   run_tiles<MB, blocks_per_tile<MB>()>(xp, w, K2, y, N, c0, c1, bias);
 }
 
+// x [M, 2 K2] float32 to bf16 pairs (round to nearest even), [M, K2] as uint32.
+std::vector<uint32_t> bf16_pairs(const float* xf, int64_t M, int64_t K2) {
+  std::vector<uint32_t> xb(M * K2);
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t k = 0;
+    for (; k + 32 <= 2 * K2; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + m * 2 * K2 + k + 16),
+                                             _mm512_loadu_ps(xf + m * 2 * K2 + k));
+      _mm512_storeu_si512(xb.data() + m * K2 + k / 2, (__m512i)v);
+    }
+    auto* dst = reinterpret_cast<at::BFloat16*>(xb.data() + m * K2);
+    for (; k < 2 * K2; ++k) dst[k] = at::BFloat16(xf[m * 2 * K2 + k]);  // rounds to nearest even
+  }
+  return xb;
+}
+
 }  // namespace
 
 // W [N, K] bf16 -> [N/16, K/2, 32]: block b, pair p holds W[16b + i, 2p + t] at 2i + t.
@@ -91,19 +107,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   x = x.contiguous();
   torch::Tensor bias_holder;
   const float* b = expresslane::float_bias(bias, bias_holder);
-  // x to bf16 pairs (round to nearest even), [M, K/2] as uint32
-  std::vector<uint32_t> xb(M * K2);
-  const float* xf = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t k = 0;
-    for (; k + 32 <= 2 * K2; k += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + m * 2 * K2 + k + 16),
-                                             _mm512_loadu_ps(xf + m * 2 * K2 + k));
-      _mm512_storeu_si512(xb.data() + m * K2 + k / 2, (__m512i)v);
-    }
-    auto* dst = reinterpret_cast<at::BFloat16*>(xb.data() + m * K2);
-    for (; k < 2 * K2; ++k) dst[k] = at::BFloat16(xf[m * 2 * K2 + k]);  // rounds to nearest even
-  }
+  const std::vector<uint32_t> xb = bf16_pairs(x.data_ptr<float>(), M, K2);
   auto y = torch::empty({M, N}, x.options());
   const auto* w = reinterpret_cast<const __m512i*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();

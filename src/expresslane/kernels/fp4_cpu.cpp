@@ -150,37 +150,19 @@ struct XRows {
   int64_t scale_stride;  // floats per row of `scale`
 };
 
-// R consecutive weight rows (n..) against M activation rows. A block's weight scale times the
-// activations' scale of that block gives the scale of an int32 partial sum. With several
-// weight rows per pass the activation loads are shared and the loop and reduction costs are
-// paid once per R rows: at K = 576 this was 1.6x faster than a row at a time.
-template <int M, int R, int BS>
-inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, float* y, int64_t K, int64_t N,
-                    int64_t n, const float* row_scales, const float* bias) {
-  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const __m256i lut = _mm256_set_m128i(lut128, lut128);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t groups = K / 32, nb = K / BS;
-  __m256 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  // Groups j, j + 1: int32 lane l covers elements 8 (l % 4) .. + 7 of group j + l / 4, so
-  // NVFP4 lanes take block scales 2j + l / 2, MXFP4 lanes j + l / 4.
-  const __m256i spread = BS == 16 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  auto pair_scales = [&](const float* w, const float* x) {  // the pair's 4 (NVFP4) or 2 block scales
-    if (BS == 16) return _mm_mul_ps(_mm_loadu_ps(w), _mm_loadu_ps(x));
-    const auto two = [](const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); };
-    return _mm_mul_ps(two(w), two(x));
-  };
-  int64_t j = 0;
+// The parts of `rows_i8`, inlined into it (the same code as one function): passes over the
+// groups of a quad, of a pair and the last unpaired group, from group j on.
+#define EXPRESSLANE_INLINE inline __attribute__((always_inline))
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int M, int R, int BS>
+EXPRESSLANE_INLINE void quads_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t& j,
+                                 __m512 (&acc4)[R][M]) {
+  const int64_t groups = K / 32, nb = K / BS;
   // Quads: lane l of the 16 int32 lanes covers elements 8 (l % 4) .. + 7 of group j + l / 4
-  // (lanes 0-7 the first pair, as above, 8-15 the second), so NVFP4 lanes take block scales
+  // (lanes 0-7 the first pair, as in pairs_i8, 8-15 the second), so NVFP4 lanes take block scales
   // b0 + l / 2 and MXFP4 lanes b0 + l / 4.
-  __m512 acc4[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc4[r][m] = _mm512_setzero_ps();
+  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
   const __m512i lut4 = _mm512_broadcast_i32x4(lut128);
   const __m512i low4x = _mm512_set1_epi8(0x0F);
   const __m512i spread4 = BS == 16 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
@@ -209,7 +191,25 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
       }
     }
   }
+}
 #endif
+
+template <int M, int R, int BS>
+EXPRESSLANE_INLINE void pairs_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t& j,
+                                 __m256 (&acc)[R][M]) {
+  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
+  const __m256i lut = _mm256_set_m128i(lut128, lut128);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = K / 32, nb = K / BS;
+  // Groups j, j + 1: int32 lane l covers elements 8 (l % 4) .. + 7 of group j + l / 4, so
+  // NVFP4 lanes take block scales 2j + l / 2, MXFP4 lanes j + l / 4.
+  const __m256i spread = BS == 16 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  auto pair_scales = [&](const float* w, const float* x) {  // the pair's 4 (NVFP4) or 2 block scales
+    if (BS == 16) return _mm_mul_ps(_mm_loadu_ps(w), _mm_loadu_ps(x));
+    const auto two = [](const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); };
+    return _mm_mul_ps(two(w), two(x));
+  };
   for (; j + 2 <= groups; j += 2) {
     const int64_t b0 = j * 32 / BS;  // the pair's first block
     // the R rows kAhead passes on, front to back at the pace these are read: one sequential
@@ -234,6 +234,16 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
       }
     }
   }
+}
+
+template <int M, int R, int BS>
+EXPRESSLANE_INLINE void last_group_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t j,
+                                      __m256 (&acc)[R][M]) {
+  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
+  const __m256i lut = _mm256_set_m128i(lut128, lut128);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = K / 32, nb = K / BS;
   if (j < groups) {  // a last unpaired group: [even | odd], int32 lanes of 4 values
     const int64_t b0 = j * 32 / BS;
     // NVFP4: lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
@@ -259,6 +269,27 @@ inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, flo
       }
     }
   }
+}
+
+// R consecutive weight rows (n..) against M activation rows. A block's weight scale times the
+// activations' scale of that block gives the scale of an int32 partial sum. With several
+// weight rows per pass the activation loads are shared and the loop and reduction costs are
+// paid once per R rows: at K = 576 this was 1.6x faster than a row at a time.
+template <int M, int R, int BS>
+inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, float* y, int64_t K, int64_t N,
+                    int64_t n, const float* row_scales, const float* bias) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t j = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc4[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc4[r][m] = _mm512_setzero_ps();
+  quads_i8<M, R, BS>(xq, codes, dec, K, j, acc4);
+#endif
+  pairs_i8<M, R, BS>(xq, codes, dec, K, j, acc);
+  last_group_i8<M, R, BS>(xq, codes, dec, K, j, acc);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
