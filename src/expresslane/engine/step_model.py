@@ -2,7 +2,7 @@
 
     seconds ≈ a + b·sequences + c·tokens + d·(context tokens attended / 1024)
 
-(one such line for steps of up to `small_tokens` tokens, those the native decode step runs,
+(one such line for steps of up to `small_tokens` tokens, those the C++ layer stack runs,
 one for larger steps). The fixed part `a` is reading
 the weights (at small batch a step is memory bound), `b` the per-sequence overhead, `c` the
 per-token compute, `d` attention over the KV cache. The coefficients

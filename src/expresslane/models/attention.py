@@ -45,7 +45,7 @@ class AttentionMetadata:
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Every sequence of the step in row order, the uniform group and the prompt chunks
-        alike (the native step's view): (new tokens [B], tokens cached before [B], padded
+        alike (the layer stack's view): (new tokens [B], tokens cached before [B], padded
         slots of positions 0..ctx-1 [B * ctx], ctx)."""
         B, Q = self.decode_batch, self.decode_q_len
         if not self.prefills:
@@ -69,7 +69,7 @@ class AttentionMetadata:
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
         position starts[b] + j and sees the positions up to there. Built on first use, once
-        per step (the native decode step never needs it)."""
+        per step (the C++ layer stack never needs it)."""
         if self._decode_mask is None:
             starts = self.decode_starts
             dev = starts.device

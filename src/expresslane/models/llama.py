@@ -167,10 +167,10 @@ def build_layer_stack(model: LlamaModel):
         return None
     caches = [layer.attn.kv.native() for layer in layers]
     if any(c is None for c in caches):
-        return None  # a KV store the native step does not read: the Python layers run
+        return None  # a KV store the layer stack does not read: the Python layers run
     cfg = model.cfg
     if any(n % 8 for n in (cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)):
-        return None  # the native step works on rows of multiples of 8
+        return None  # the layer stack works on rows of multiples of 8
     from expresslane.kernels import cpu_kernels
 
     fp4 = [m for m in linears if isinstance(m, Fp4Linear)]

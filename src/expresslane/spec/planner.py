@@ -108,7 +108,7 @@ class GuessPlanner:
 
     def uniform(self, running: list[Request], costs: Callable[[int], float] | None) -> None:
         """Give every decoding request the same number of guesses, so that the step runs as
-        one uniform batch (the native decode step, or one padded attention batch): with mixed
+        one uniform batch (the C++ layer stack, or one padded attention batch): with mixed
         lengths the guessing requests go through the prompt-chunk path, which measured slower
         than not guessing (0.92x at batch 2, 0.59x at batch 8 on the demo model). The common
         length is the one the step-latency model expects to yield the most tokens per second
