@@ -251,12 +251,12 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3, 5])  # decode, speculative verifications
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4", "bfloat16"])
 def test_native_decode_step_matches_the_python_layers(
     tmp_path, monkeypatch, checkpoints, arch, q_len, kv_dtype
 ):
-    """The C++ decode step (fused norms, RoPE and paged attention, over a float32, FP8 or FP4
-    cache) against the Python layers, at the tensor level: sequences of different lengths in
+    """The C++ decode step (fused norms, RoPE and paged attention, over a float32, bf16, FP8 or
+    FP4 cache) against the Python layers, at the tensor level: sequences of different lengths in
     one padded batch. The Python layers attend in PyTorch (not the C++ decode attention)."""
     from types import SimpleNamespace
 
@@ -323,7 +323,7 @@ def test_native_decode_step_matches_the_python_layers(
     for store, python_written in zip(runner.kv_caches, written, strict=True):
         for mine, theirs in zip(store.native(), python_written, strict=True):
             mine = mine[:, :, meta.slot_mapping]
-            if mine.dtype == torch.uint8:
+            if mine.dtype in (torch.uint8, torch.bfloat16):
                 assert (mine != theirs).float().mean() <= 0.01
             else:
                 torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-4, rtol=1e-3)

@@ -15,7 +15,8 @@ from .conftest import random_prompts
 
 
 @pytest.mark.parametrize(
-    ("dtype", "max_err", "min_saving"), [("fp8", 0.04, 0.45), ("fp4", 0.12, 0.65)]
+    ("dtype", "max_err", "min_saving"),
+    [("fp8", 0.04, 0.45), ("fp4", 0.12, 0.65), ("bfloat16", 0.004, 0.0)],
 )
 def test_compressed_store_round_trip_and_size(dtype, max_err, min_saving):
     g = torch.Generator().manual_seed(0)
@@ -46,7 +47,7 @@ def _hard_kv(g: torch.Generator, t: int, hkv: int, d: int) -> tuple[torch.Tensor
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
-@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp4"])
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp4", "bfloat16"])
 def test_the_native_write_is_the_stores_write_byte_for_byte(dtype):
     """The C++ decode step's K/V write (kernels/paged_kv.h, reached through the module's
     write_kv) against the store's own `write`, the reference: every byte, values and scales."""
@@ -78,7 +79,7 @@ def test_zero_and_tiny_rows_read_back_finite(dtype):
     assert (back[2:] - k[2:, 0]).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4", "bfloat16"])
 def test_serving_with_a_compressed_kv_cache(llama_dir, kv_dtype):
     prompts = [p + p for p in random_prompts(6, 10, 40, seed=12)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -93,7 +94,7 @@ def test_serving_with_a_compressed_kv_cache(llama_dir, kv_dtype):
     assert again.num_cached_tokens > 0 and again.token_ids == plain[0].token_ids
     engine = llm.engine
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.model.layer_stack is None  # the C++ step reads plain KV only
+    assert engine.model.layer_stack is None  # float32 weights: no C++ layer stack
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(str(llama_dir), kv_cache_dtype="int2")
 

@@ -8,6 +8,7 @@ import pytest
 
 from expresslane import LLM, SamplingParams
 from expresslane.config import EngineConfig
+from expresslane.engine.calibration import lane_targets
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.step_model import StepLatencyModel, features
 from expresslane.errors import InvalidRequestError
@@ -59,6 +60,8 @@ def test_lane_settings_are_validated(llama_dir):
         build_lanes({"flex": {"speed": 3}})
     with pytest.raises(InvalidRequestError, match="target_tokens_per_s"):
         build_lanes({"ultrafast": {"target_tokens_per_s": -1}})
+    with pytest.raises(InvalidRequestError, match="solo_fraction"):
+        build_lanes({"ultrafast": {"solo_fraction": 1.5}})
     engine = _engine(llama_dir, num_kv_blocks=64, lanes={"flex": {"enabled": False}})
     with pytest.raises(InvalidRequestError, match="'flex' lane is not served") as e:
         engine.make_request([1, 2, 3], SamplingParams(max_tokens=2), lane="flex")
@@ -119,6 +122,34 @@ def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir,
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_auto_target_keeps_the_lane_at_its_fraction_of_solo_speed(llama_dir, solo):
+    lanes = {"ultrafast": {"max_batch": 1, "speculative": False, "solo_fraction": 0.8}}
+    engine = _engine(llama_dir, num_kv_blocks=512, lanes=lanes)
+    model = engine.step_model
+    model.refit_every = 10**9
+    model.set_costs([0.010, 0.001, 0.0, 0.0])  # the ultrafast decode alone: 11 ms
+    engine._resolve_targets()
+    prompts = random_prompts(9, 5, 12, seed=15)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    slow = [engine.add_request(p, params, request_id=f"d{i}") for i, p in enumerate(prompts[1:])]
+    engine.step()
+    fast = engine.add_request(prompts[0], params, request_id="u", lane="ultrafast")
+    batches = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
+    while not fast.is_finished:
+        engine.step()
+        b = batches[-1]
+        # within 1/0.8 of the ultrafast request's own step: 13.75 ms, two default decodes
+        assert model.predict(len(b.items), b.num_tokens, b.context_tokens) <= 0.011 / 0.8 + 1e-9
+    decode_batches = [b for b in batches if b.num_tokens == len(b.items)]
+    assert max(len(b.items) for b in decode_batches) == 3  # the lower lanes still run
+    _run(engine, slow)
+    assert fast.output_token_ids == solo(prompts[0], 20)
+    assert [r.output_token_ids for r in slow] == [solo(p, 20) for p in prompts[1:]]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_flex_gives_way_to_default_and_resumes_without_losing_output(llama_dir, solo):
     engine = _engine(llama_dir, num_kv_blocks=10, max_num_batched_tokens=256)
     prompts = random_prompts(4, 30, 40, seed=13)
@@ -164,8 +195,11 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     assert engine.step_model.ready
     assert len(engine.step_model.calibration) >= 7  # several batch shapes were timed
     assert engine.step_model.predict(1, 1, 64) > 0
-    target = engine.scheduler.targets["ultrafast"]
-    assert 0 < target < 1 / engine.step_model.predict(1, 1, 256)  # "auto": below solo speed
+    # "auto": the lane keeps 85% of its solo speed, reported as that share of one decode alone
+    assert engine.scheduler.solo_fractions == {"ultrafast": 0.85}
+    assert "ultrafast" not in engine.scheduler.targets
+    solo_speed = 1 / engine.step_model.predict(1, 1, 256)
+    assert lane_targets(engine) == {"ultrafast": pytest.approx(0.85 * solo_speed)}
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

@@ -3,8 +3,9 @@
 One model serves three lanes. A lane's `rank` is its scheduling priority: lower ranks are
 scheduled first (the vLLM convention), so `ultrafast` (0) runs before `default` (1) and `flex` (2).
 While an ultrafast request is active, the lower lanes only get the part of each step that keeps
-it at `target_tokens_per_s` (see `engine/step_model.py`); `flex` only gets what `default` leaves
-and is preempted first. Lanes are configured in the `[lanes.NAME]` tables of the config file.
+it at its target (see `engine/scheduler.py`): by default ("auto") `solo_fraction` of the speed
+it gets alone; `flex` only gets what `default` leaves and is preempted first. Lanes are
+configured in the `[lanes.NAME]` tables of the config file.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ class Lane:
     price_multiplier: float = 1.0  # times the base per-token prices
     preemptible: bool = False  # may lose its KV blocks to a better-ranked request
     # Per-request decode speed this lane is held at by capping the lower lanes; None: no
-    # target; "auto": a fraction (`auto_target_fraction`) of the calibrated solo speed.
+    # target; "auto": `solo_fraction` of the speed its requests get alone.
     target_tokens_per_s: float | str | None = None
+    # With "auto": the lower lanes add at most 1/solo_fraction - 1 to this lane's step time.
+    solo_fraction: float = 0.85
     # Overrides the engine's `speculative` for this lane; False: no speculation here.
     speculative: dict | bool | None = None
     enabled: bool = True
 
-
-AUTO_TARGET_FRACTION = 1 / 3
 
 DEFAULT_LANES = {
     "ultrafast": Lane(
@@ -67,6 +68,8 @@ def build_lanes(overrides: dict | None) -> dict[str, Lane]:
         target = lane.target_tokens_per_s
         if lane.max_batch < 1:
             raise InvalidRequestError(f"lane {lane.name!r}: max_batch must be at least 1")
+        if not (isinstance(lane.solo_fraction, (int, float)) and 0 < lane.solo_fraction <= 1):
+            raise InvalidRequestError(f"lane {lane.name!r}: solo_fraction must be in (0, 1]")
         if (
             target is not None
             and target != "auto"

@@ -7,13 +7,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from expresslane.lanes import AUTO_TARGET_FRACTION
 from expresslane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from expresslane.engine.engine import LLMEngine
 
 log = logging.getLogger("expresslane.engine")
+
+
+# The sweep of batch sizes runs this many times; the step model is fitted to each step
+# shape's median time, so a burst of load on the machine during startup moves it little.
+CALIBRATION_ROUNDS = 3
 
 
 def calibrate(engine: LLMEngine) -> None:
@@ -26,10 +30,11 @@ def calibrate(engine: LLMEngine) -> None:
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(largest, engine.config.max_batch)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt_len = max(1, min(32, (engine.max_model_len - 8) // 4))  # prompts of 1-4x this
+    runs = [1, *sizes * CALIBRATION_ROUNDS]  # the first run warms up and is not kept
     try:
-        for i, b in enumerate([1, *sizes]):  # the first run warms up and is not kept
+        for i, b in enumerate(runs):
             if engine.kv.blocks_needed(prompt_len * 4 + 8) * b > engine.kv.num_free_blocks:
-                break
+                continue
             engine._calibrating = i > 0
             for j in range(b):
                 n = prompt_len * (1 + j % 4)
@@ -47,14 +52,30 @@ def calibrate(engine: LLMEngine) -> None:
 
 
 def resolve_targets(engine: LLMEngine) -> None:
-    """Per-request tokens/s targets of lanes that have one; "auto" is a fraction of the speed
-    a single request gets alone on this device."""
+    """Hand the lanes' targets to the scheduler: numbers as tokens/s, "auto" as a fraction of
+    the speed the lane's requests get alone."""
     for lane in engine.lanes.values():
         target = lane.target_tokens_per_s
-        if target == "auto":
-            target = AUTO_TARGET_FRACTION / max(engine.step_model.predict(1, 1, 256), 1e-4)
-        if target is not None:
-            target = float(target)
-            log.info("lane %s: target %.0f tokens/s per request", lane.name, target)
-        engine.scheduler.set_target(lane.name, target)
+        auto = target == "auto"
+        engine.scheduler.set_solo_fraction(lane.name, lane.solo_fraction if auto else None)
+        engine.scheduler.set_target(lane.name, None if auto or target is None else float(target))
+    for lane, tokens_per_s in lane_targets(engine).items():
+        log.info("lane %s: target %.0f tokens/s per request", lane, tokens_per_s)
     engine._targets_resolved = True
+
+
+def solo_tokens_per_s(engine: LLMEngine) -> float:
+    """The step-latency model's speed of one request decoding alone, without guesses."""
+    return 1 / max(engine.step_model.predict(1, 1, 256), 1e-4)
+
+
+def lane_targets(engine: LLMEngine) -> dict[str, float]:
+    """Each targeted lane's per-request speed target in tokens/s (what /metrics reports): an
+    "auto" lane's is its fraction of the solo speed, which follows the model's refits."""
+    scheduler, out = engine.scheduler, {}
+    for name in engine.lanes:
+        if name in scheduler.targets:
+            out[name] = scheduler.targets[name]
+        elif name in scheduler.solo_fractions and engine.step_model.ready:
+            out[name] = scheduler.solo_fractions[name] * solo_tokens_per_s(engine)
+    return out

@@ -7,7 +7,10 @@ prompt larger than the remaining budget is split into chunks across steps (chunk
 
 While a request of a lane with a speed target is active, the lower lanes only get what fits in
 the step time that keeps it at its target, as predicted by the step-latency model: the rest of
-their requests keep their KV and skip the step (round robin makes them take turns). They always
+their requests keep their KV and skip the step (round robin makes them take turns). A target is
+either relative (`solo_fractions`: the lane's requests keep this fraction of the speed they get
+alone, so the lower lanes may add up to 1/fraction - 1 of the step time the lane takes itself)
+or absolute (`targets`, tokens/s per request). Under an absolute target the lower lanes always
 get at least `LOWER_LANE_SHARE` of the step time the targeted lanes take themselves, so a busy
 ultrafast lane slows the others but never stops them.
 
@@ -68,6 +71,8 @@ class Scheduler:
         self.step_model = step_model or StepLatencyModel()
         # Resolved per-request targets (tokens/s) of the lanes that have one (`set_target`).
         self.targets: dict[str, float] = {}
+        # Lanes held at a fraction of their solo speed (`set_solo_fraction`).
+        self.solo_fractions: dict[str, float] = {}
         # mean tokens a request gains per step, per speculating lane (`observe_tokens_per_step`)
         self.tokens_per_step: dict[str, float] = {}
         self.waiting: list[Request] = []  # sorted by (lane rank, arrival)
@@ -81,6 +86,18 @@ class Scheduler:
             self.targets.pop(lane, None)
         else:
             self.targets[lane] = tokens_per_s
+
+    def set_solo_fraction(self, lane: str, fraction: float | None) -> None:
+        """Keep `lane`'s requests at `fraction` of the speed they get alone (None: no such
+        target): the lower lanes add at most 1/fraction - 1 of the lane's own step time."""
+        if fraction is None:
+            self.solo_fractions.pop(lane, None)
+        else:
+            self.solo_fractions[lane] = fraction
+
+    def targeted(self, lane: str) -> bool:
+        """Whether `lane` holds the lower lanes back for its own speed."""
+        return lane in self.targets or lane in self.solo_fractions
 
     def observe_tokens_per_step(self, lane: str, tokens: int) -> None:
         """A request of a speculating `lane` gained `tokens` in a step (a running mean)."""
@@ -130,7 +147,7 @@ class Scheduler:
         return [
             r
             for r in self.waiting
-            if r.lane in self.targets and running.get(r.lane, 0) < self.lanes[r.lane].max_batch
+            if self.targeted(r.lane) and running.get(r.lane, 0) < self.lanes[r.lane].max_batch
         ]
 
     def schedule(self) -> ScheduledBatch:
@@ -143,7 +160,7 @@ class Scheduler:
         out_of_blocks = admission_closed = False
         lower_cap: float | None = None  # set once the targeted lanes are scheduled
         for lane in self.lane_order:
-            if lane in self.targets:
+            if self.targeted(lane):
                 cap = None
             else:
                 if lower_cap is None:
@@ -180,12 +197,19 @@ class Scheduler:
         return batch
 
     def _lower_lane_cap(self, batch: ScheduledBatch, limit: float | None) -> float | None:
-        """The step time a lane without a target may fill: the targets' limit, or a share on
-        top of what the batch so far takes, whichever is more."""
-        if limit is None or not batch.items:
+        """The step time a lane without a target may fill, given what the targeted lanes
+        took of this step so far: the absolute targets' limit (or a share on top of the
+        targeted lanes' time, whichever is more), and the relative targets' bound."""
+        if not batch.items or not self.step_model.ready:
             return limit
         so_far = self.step_model.predict(len(batch.items), batch.num_tokens, batch.context_tokens)
-        return max(limit, so_far * (1 + LOWER_LANE_SHARE))
+        caps = [] if limit is None else [max(limit, so_far * (1 + LOWER_LANE_SHARE))]
+        fractions = [
+            self.solo_fractions[r.lane] for r, _ in batch.items if r.lane in self.solo_fractions
+        ]
+        if fractions:
+            caps.append(so_far / min(fractions))
+        return min(caps, default=None)
 
     def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
         """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""

@@ -38,6 +38,16 @@ def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _medians(
+    points: list[tuple[tuple[float, ...], float]],
+) -> list[tuple[tuple[float, ...], float]]:
+    """One point per step shape: the median of its times (calibration repeats each shape)."""
+    times: dict[tuple[float, ...], list[float]] = {}
+    for x, y in points:
+        times.setdefault(x, []).append(y)
+    return [(x, float(np.median(ys))) for x, ys in times.items()]
+
+
 class _Fit:
     def __init__(self, window: int):
         self.calibration: list[tuple[tuple[float, ...], float]] = []
@@ -47,7 +57,7 @@ class _Fit:
     def fit(self) -> None:
         # Calibration points keep the fit well-posed when live traffic covers only a few
         # batch shapes; live points outnumber them and follow the device's current speed.
-        points = self.calibration + list(self.recent)
+        points = _medians(self.calibration) + list(self.recent)
         if len(points) >= 2:
             x = np.array([p[0] for p in points])
             self.coef = _fit_nonnegative(x, np.array([p[1] for p in points]))

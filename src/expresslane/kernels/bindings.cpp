@@ -12,10 +12,15 @@ using expresslane::KVKind;
 using expresslane::ScaleKind;
 using expresslane::value;
 
+// Kernels run without the GIL: the server's event loop renders other requests' outputs on
+// another core while the engine thread is inside a step.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 void add_constants(pybind11::module& m) {
   m.attr("KV_KIND_PLAIN") = value(KVKind::kPlain);
   m.attr("KV_KIND_FP8") = value(KVKind::kFp8);
   m.attr("KV_KIND_FP4") = value(KVKind::kFp4);
+  m.attr("KV_KIND_BF16") = value(KVKind::kBf16);
   m.attr("SCALE_KIND_E8M0") = value(ScaleKind::kE8M0);
   m.attr("SCALE_KIND_E4M3") = value(ScaleKind::kE4M3);
 }
@@ -23,22 +28,22 @@ void add_constants(pybind11::module& m) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)");
-  m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)");
+  m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)", NoGil());
+  m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)", NoGil());
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LayerStack::add_layer)
-      .def("forward", &LayerStack::forward)
+      .def("forward", &LayerStack::forward, NoGil())
       .def("set_head", &LayerStack::set_head)
-      .def("logits", &LayerStack::logits)
+      .def("logits", &LayerStack::logits, NoGil())
       .def("set_greedy_vocab", &LayerStack::set_greedy_vocab)
-      .def("greedy", &LayerStack::greedy);
-  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place");
-  m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)");
-  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)");
+      .def("greedy", &LayerStack::greedy, NoGil());
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place", NoGil());
+  m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)", NoGil());
+  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)", NoGil());
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
-  m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]");
-  m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)");
-  m.def("write_kv", &write_kv, "K/V [T, Hkv, D] into a store's native() tensors as the native step writes them");
+  m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]", NoGil());
+  m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)", NoGil());
+  m.def("write_kv", &write_kv, "K/V [T, Hkv, D] into a store's native() tensors as the native step writes them", NoGil());
   add_constants(m);
 }

@@ -7,7 +7,7 @@
 namespace expresslane {
 
 // How a layer's KV cache is stored (models/kv_store.py: each store's NATIVE_KIND).
-enum class KVKind : int64_t { kPlain = 0, kFp8 = 1, kFp4 = 2 };
+enum class KVKind : int64_t { kPlain = 0, kFp8 = 1, kFp4 = 2, kBf16 = 3 };
 
 // How an FP4 weight's block-scale bytes are read (quant/formats.py: kernel_scale_kind).
 enum class ScaleKind : int64_t { kE8M0 = 0, kE4M3 = 1 };

@@ -14,6 +14,7 @@ class KVKind(IntEnum):
     PLAIN = 0  # float32 [2, Hkv, slots, D]
     FP8 = 1  # E4M3 bytes + a float16 scale per head vector
     FP4 = 2  # E2M1 codes + an E4M3 scale per 16 values
+    BF16 = 3  # bf16 [2, Hkv, slots, D]
 
 
 class ScaleKind(IntEnum):

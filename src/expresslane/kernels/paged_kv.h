@@ -1,7 +1,7 @@
 // One layer's paged KV cache as the C++ code reads and writes it, in place: float32
-// [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
+// [2, Hkv, slots, D]; or bf16 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
 // [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes [2, Hkv, slots, D/2] + E4M3 scales per 16 values
-// [2, Hkv, slots, D/16] (models/kv_store.py PlainKV, Fp8KV, Fp4KV: native()).
+// [2, Hkv, slots, D/16] (models/kv_store.py PlainKV, Bf16KV, Fp8KV, Fp4KV: native()).
 //
 // The Python stores' `write` (models/kv_store.py) is the reference for the quantization:
 // write_row computes the same scales and rounds the same way, byte for byte
@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -43,32 +44,41 @@ struct PagedKV {
   PagedKV() = default;
   PagedKV(std::vector<torch::Tensor> tensors, int64_t kind_, int64_t head_dim)
       : kind(static_cast<KVKind>(kind_)), D(head_dim) {
-    TORCH_CHECK(tensors.size() == (kind == KVKind::kPlain ? 1u : 2u) && kind_ >= value(KVKind::kPlain) &&
-                    kind_ <= value(KVKind::kFp4),
+    const bool unscaled = kind == KVKind::kPlain || kind == KVKind::kBf16;
+    TORCH_CHECK(tensors.size() == (unscaled ? 1u : 2u) && kind_ >= value(KVKind::kPlain) &&
+                    kind_ <= value(KVKind::kBf16),
                 "kv: [cache] or [values, scales]");
     const auto& v = tensors[0];
+    const auto dtype = kind == KVKind::kPlain ? torch::kFloat32 : kind == KVKind::kBf16 ? torch::kBFloat16 : torch::kUInt8;
     TORCH_CHECK(v.is_contiguous() && v.dim() == 4 && v.size(0) == 2 &&
-                    v.size(3) == (kind == KVKind::kFp4 ? D / 2 : D) &&
-                    v.dtype() == (kind == KVKind::kPlain ? torch::kFloat32 : torch::kUInt8),
+                    v.size(3) == (kind == KVKind::kFp4 ? D / 2 : D) && v.dtype() == dtype,
                 "kv values: contiguous [2, Hkv, slots, D] (D/2 bytes for FP4)");
-    TORCH_CHECK(kind == KVKind::kPlain ||
+    TORCH_CHECK(unscaled ||
                     (tensors[1].is_contiguous() && tensors[1].size(2) == v.size(2) &&
                      tensors[1].dtype() == (kind == KVKind::kFp8 ? torch::kFloat16 : torch::kUInt8) &&
                      tensors[1].size(3) == (kind == KVKind::kFp8 ? 1 : D / 16)),
                 "kv scales: float16 [2, Hkv, slots, 1] (FP8) or E4M3 bytes [2, Hkv, slots, D/16] (FP4)");
-    kv = {v, kind == KVKind::kPlain ? torch::Tensor() : tensors[1]};
+    kv = {v, unscaled ? torch::Tensor() : tensors[1]};
     Hkv = v.size(1);
     S = v.size(2);
     values = static_cast<uint8_t*>(v.data_ptr());  // raw pointers: row() runs ~10^5 times a step
-    if (kind != KVKind::kPlain) scales = kv[1].data_ptr();
+    if (!unscaled) scales = kv[1].data_ptr();
   }
   int64_t slots() const { return S; }
 
   // Row `slot` of kv head h of K (which 0) or V (which 1): in place for a float32 cache, else
-  // dequantized into buf.
+  // widened or dequantized into buf.
   const float* row(int64_t which, int64_t h, int64_t slot, float* buf) const {
     const int64_t r = (which * Hkv + h) * S + slot;
     if (kind == KVKind::kPlain) return reinterpret_cast<const float*>(values) + r * D;
+    if (kind == KVKind::kBf16) {
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(values) + r * D;
+      for (int64_t i = 0; i < D; ++i) {
+        const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is float32's top half
+        std::memcpy(buf + i, &wide, sizeof(float));
+      }
+      return buf;
+    }
     const float* e4m3 = e4m3_table();
     if (kind == KVKind::kFp8) {
       const uint8_t* bytes = values + r * D;
@@ -90,12 +100,16 @@ struct PagedKV {
   // encoded as the store's write encodes it. Writes the cache's tensors, not this struct.
   void write_row(int64_t which, int64_t h, int64_t slot, const float* src) const {
     const int64_t r = (which * Hkv + h) * S + slot;
-    if (kind == KVKind::kPlain)
+    if (kind == KVKind::kPlain) {
       std::memcpy(kv[0].data_ptr<float>() + r * D, src, D * sizeof(float));
-    else if (kind == KVKind::kFp8)
+    } else if (kind == KVKind::kBf16) {
+      c10::BFloat16* dst = kv[0].data_ptr<c10::BFloat16>() + r * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = c10::BFloat16(src[i]);  // to nearest, ties even
+    } else if (kind == KVKind::kFp8) {
       write_fp8(r, src);
-    else
+    } else {
       write_fp4(r, src);
+    }
   }
 
  private:

@@ -58,18 +58,18 @@ def compute_dtypes(
     dtype: torch.dtype, auto: bool, device: torch.device
 ) -> tuple[torch.dtype, torch.dtype]:
     """(compute dtype, linear weight storage dtype) for a checkpoint in `dtype`, or asked for
-    it (`auto` False: then it is what runs).
+    it (`auto` False).
 
-    On CPU, a bf16 checkpoint computes in float32 and keeps its bf16 linear weights: decode
-    batches run the layer stack, which reads the bf16 bytes and sums in float32 (with AVX-512
-    BF16, products of bf16-rounded activations): 141 against 69 tok/s for bf16 compute at
-    batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M). A half dtype without kernels computes in
-    float32 only where its matmuls are slow (no oneDNN prepacking for it)."""
-    upcast = auto and device.type == "cpu" and dtype != torch.float32
-    if upcast and (
-        (dtype == torch.bfloat16 and kernels.cpu_kernels() is not None)
-        or not onednn_prepack_supported(dtype)
-    ):
+    On CPU, bf16 (the checkpoint's, or asked for) computes in float32 and keeps its bf16 linear
+    weights where the CPU kernels build: decode batches run the layer stack, which reads the
+    bf16 bytes and sums in float32 (with AVX-512 BF16, products of bf16-rounded activations):
+    141 against 69 tok/s for bf16 compute at batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M). A
+    half dtype without kernels computes in float32 only where its matmuls are slow (no oneDNN
+    prepacking for it) and it was not asked for."""
+    cpu = device.type == "cpu"
+    bf16_kernels = cpu and dtype == torch.bfloat16 and kernels.cpu_kernels() is not None
+    upcast = auto and cpu and dtype != torch.float32 and not onednn_prepack_supported(dtype)
+    if bf16_kernels or upcast:
         return torch.float32, dtype if dtype == torch.bfloat16 else torch.float32
     return dtype, dtype
 

@@ -5,6 +5,8 @@ caching and speculative rollback do not care. A store writes the new tokens' K/V
 slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute dtype:
 
 - `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
+- `Bf16KV` (`"bfloat16"`): bf16 under a float32 compute dtype, half the bytes read per decode
+  step (what `"auto"` means when the model was asked for in bfloat16 on a CPU).
 - `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
   (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (48% less at D = 64).
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
@@ -61,6 +63,31 @@ class PlainKV:
     def native(self) -> list[torch.Tensor] | None:
         """What the C++ decode step reads (it computes in float32), or None."""
         return [self.tensor] if self.tensor.dtype == torch.float32 else None
+
+
+class Bf16KV(PlainKV):
+    """bf16 storage whatever the compute dtype; reads widen to the compute dtype."""
+
+    def __init__(self, num_kv_heads: int, slots: int, head_dim: int, dtype, device):
+        super().__init__(num_kv_heads, slots, head_dim, torch.bfloat16, device)
+        self.dtype = dtype
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * torch.bfloat16.itemsize
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        # the reference: PagedKV::write_row (kernels/paged_kv.h) rounds to nearest, ties even
+        super().write(k.to(torch.bfloat16), v.to(torch.bfloat16), slots)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return super().read(slots).to(self.dtype)
+
+    NATIVE_KIND = KVKind.BF16
+
+    def native(self) -> list[torch.Tensor] | None:
+        """The C++ decode step widens the rows as it reads them (kernels/paged_kv.h)."""
+        return [self.tensor] if self.dtype == torch.float32 else None
 
 
 class Fp8KV:
@@ -143,4 +170,4 @@ class Fp4KV:
         return [self.codes, self.scales] if self.dtype == torch.float32 else None
 
 
-STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV}
+STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV, "bfloat16": Bf16KV}
