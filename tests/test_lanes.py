@@ -198,7 +198,9 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     # "auto": the lane keeps 85% of its solo speed, reported as that share of one decode alone
     assert engine.scheduler.solo_fractions == {"ultrafast": 0.85}
     assert "ultrafast" not in engine.scheduler.targets
-    solo_speed = 1 / engine.step_model.predict(1, 1, 256)
+    # ... measured: the median of the calibration's decodes alone (three rounds of three)
+    assert len(engine.step_model.solo_steps) >= 9
+    solo_speed = 1 / float(np.median(engine.step_model.solo_steps))
     assert lane_targets(engine) == {"ultrafast": pytest.approx(0.85 * solo_speed)}
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

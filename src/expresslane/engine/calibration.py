@@ -65,8 +65,11 @@ def resolve_targets(engine: LLMEngine) -> None:
 
 
 def solo_tokens_per_s(engine: LLMEngine) -> float:
-    """The step-latency model's speed of one request decoding alone, without guesses."""
-    return 1 / max(engine.step_model.predict(1, 1, 256), 1e-4)
+    """The speed of one request decoding alone, without guesses: the median of the measured
+    decodes alone (calibration's, then the latest live ones), else the model's prediction."""
+    model = engine.step_model
+    seconds = model.solo_step() or model.predict(1, 1, 256)
+    return 1 / max(seconds, 1e-4)
 
 
 def lane_targets(engine: LLMEngine) -> dict[str, float]:

@@ -72,6 +72,7 @@ class StepLatencyModel:
         self.fits = {"small": _Fit(window), "large": _Fit(window)}
         self.refit_every = refit_every
         self._since_fit = 0
+        self.solo_steps: deque[float] = deque(maxlen=window)  # one sequence, one token
 
     def _regime(self, num_tokens: int) -> str:
         return "small" if num_tokens <= self.small_tokens else "large"
@@ -87,6 +88,8 @@ class StepLatencyModel:
     def observe(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds: float):
         point = (features(num_seqs, num_tokens, context_tokens), seconds)
         self.fits[self._regime(num_tokens)].recent.append(point)
+        if num_seqs == num_tokens == 1:
+            self.solo_steps.append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self.fit()
@@ -94,6 +97,13 @@ class StepLatencyModel:
     def add_calibration(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds):
         point = (features(num_seqs, num_tokens, context_tokens), seconds)
         self.fits[self._regime(num_tokens)].calibration.append(point)
+        if num_seqs == num_tokens == 1:
+            self.solo_steps.append(seconds)
+
+    def solo_step(self) -> float | None:
+        """The median time of the latest single-token steps of one sequence (a decode alone),
+        measured rather than predicted; None before any."""
+        return float(np.median(self.solo_steps)) if self.solo_steps else None
 
     def fit(self) -> None:
         self._since_fit = 0
