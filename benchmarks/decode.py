@@ -2,16 +2,21 @@
 
 Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt 128 tokens, 64 new
 tokens (EOS ignored). Reports batch-1 decode tokens/s (first token excluded: prefill is timed
-separately) and batch-16/64 throughput (all generated tokens / wall time, prefill included).
+separately), batch-16/32/64/128 throughput (all generated tokens / wall time, prefill
+included), and prompt throughput: prompt tokens / wall time of a one-token generate, at 1x2048
+and 16x512 prompt tokens (`--prefill`).
 
-    python benchmarks/decode.py [--batches 1,16,64] [--rounds 5] [--skip-hf]
+    python benchmarks/decode.py [--batches 1,16,32,64,128] [--prefill 1x2048,16x512]
+                                [--rounds 5] [--skip-hf] [--dtype auto]
 
 Batch-1 decode is measured in `--rounds` rounds that alternate the engines (models loaded
 once), and the ratios are medians of per-round ratios: this machine's memory bandwidth drifts
 by tens of percent within minutes, which would otherwise favour whichever engine ran later.
 
 transformers runs in the checkpoint's dtype (bf16) and, because bf16 matmuls are slow on CPUs
-without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype="auto".
+without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype="auto" unless
+`--dtype` names another; it decodes greedily unless `--temperature` is set (transformers
+always decodes greedily).
 """
 
 from __future__ import annotations
@@ -26,16 +31,23 @@ from common import SMOLLM2_135M, machine, random_checkpoint, save_results
 PROMPT, NEW = 128, 64
 
 
-def prompts(batch: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
-    return torch.randint(1, SMOLLM2_135M["vocab_size"], (batch, PROMPT), generator=g).tolist()
+def prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch * 10007 + length)
+    return torch.randint(1, SMOLLM2_135M["vocab_size"], (batch, length), generator=g).tolist()
 
 
-def bench_expresslane(path, batches: list[int]) -> dict:
+def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], args):
     from expresslane import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=1024, max_batch=max(batches), max_num_batched_tokens=2048)
-    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    longest = max([PROMPT + NEW, *(n + 1 for _, n in prefill)])
+    llm = LLM(
+        str(path),
+        dtype=args.dtype,
+        max_model_len=longest,
+        max_batch=max(batches),
+        max_num_batched_tokens=2048,
+    )
+    sp = SamplingParams(max_tokens=NEW, temperature=args.temperature, ignore_eos=True, seed=0)
     llm.generate(prompts(2), sp)  # warm-up
     out = {"dtype": str(llm.engine.dtype).removeprefix("torch.")}
     for b in batches:
@@ -48,6 +60,11 @@ def bench_expresslane(path, batches: list[int]) -> dict:
             row["decode_tok_s"] = m["decode_tokens_per_s"]
             row["ttft_s"] = m["ttft"]
         out[b] = row
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for b, n in prefill:  # fresh prompts each time: nothing comes from the prefix cache
+        t = time.perf_counter()
+        llm.generate(prompts(b, n), one)
+        out[f"prefill {b}x{n}"] = b * n / (time.perf_counter() - t)
 
     def batch1() -> float:
         return llm.generate(prompts(1), sp)[0].metrics["decode_tokens_per_s"]
@@ -55,7 +72,7 @@ def bench_expresslane(path, batches: list[int]) -> dict:
     return out, batch1
 
 
-def bench_hf(path, batches: list[int], dtype: torch.dtype) -> dict:
+def bench_hf(path, batches: list[int], prefill: list[tuple[int, int]], dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     class Stamps(LogitsProcessor):
@@ -70,8 +87,8 @@ def bench_hf(path, batches: list[int], dtype: torch.dtype) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
-    def run(batch: int, n: int) -> tuple[float, list[float], float]:
-        ids = torch.tensor(prompts(batch))
+    def run(batch: int, n: int, length: int = PROMPT) -> tuple[float, list[float], float]:
+        ids = torch.tensor(prompts(batch, length))
         stamps = Stamps()
         t = time.perf_counter()
         with torch.inference_mode():
@@ -95,6 +112,8 @@ def bench_hf(path, batches: list[int], dtype: torch.dtype) -> dict:
             row["decode_tok_s"] = (len(times) - 1) / (times[-1] - times[0])
             row["ttft_s"] = times[0] - start
         out[b] = row
+    for b, n in prefill:
+        out[f"prefill {b}x{n}"] = b * n / run(b, 1, n)[0]
 
     def batch1() -> float:
         _, times, _ = run(1, NEW)
@@ -105,19 +124,24 @@ def bench_hf(path, batches: list[int], dtype: torch.dtype) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,32,64,128")
+    ap.add_argument("--prefill", default="1x2048,16x512", help="prompt shapes, BATCHxTOKENS")
     ap.add_argument("--rounds", type=int, default=5, help="alternating batch-1 rounds")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--dtype", default="auto", help="expresslane's dtype (auto, bfloat16, ...)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="expresslane's sampling")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    prefill = [
+        tuple(int(v) for v in shape.split("x")) for shape in args.prefill.split(",") if shape
+    ]
     path = random_checkpoint("smollm2-135m", SMOLLM2_135M)
     results = {"machine": machine(), "prompt": PROMPT, "new_tokens": NEW}
-    results["expresslane"], samplers = bench_expresslane(path, batches)
+    results["expresslane"], samplers = bench_expresslane(path, batches, prefill, args)
     samplers = {"expresslane": samplers}
     if not args.skip_hf:
-        hf_batches = [b for b in batches if b <= 16]
-        results["hf_bf16"], samplers["hf_bf16"] = bench_hf(path, hf_batches, torch.bfloat16)
-        results["hf_fp32"], samplers["hf_fp32"] = bench_hf(path, hf_batches, torch.float32)
+        for name, dtype in (("hf_bf16", torch.bfloat16), ("hf_fp32", torch.float32)):
+            results[name], samplers[name] = bench_hf(path, batches, prefill, dtype)
     if 1 in batches:
         rounds = [{name: fn() for name, fn in samplers.items()} for _ in range(args.rounds)]
         results["batch1_rounds"] = rounds
@@ -129,19 +153,21 @@ def main() -> None:
                 results[f"ratio_vs_{name}"] = statistics.median(ratios)
                 print(f"batch-1 decode ratio vs {name} per round: {[round(x, 2) for x in ratios]}")
     print(f"machine: {results['machine']}")
+    shapes = [f"prefill {b}x{n}" for b, n in prefill]
     print(
         "| engine | dtype | batch-1 decode tok/s | "
-        + " | ".join(f"batch {b} tok/s" for b in batches)
+        + " | ".join([f"batch {b} tok/s" for b in batches] + [f"{s} tok/s" for s in shapes])
         + " |"
     )
-    print("|---|---|---|" + "---|" * len(batches))
+    print("|---|---|---|" + "---|" * (len(batches) + len(shapes)))
     for name in ("expresslane", "hf_bf16", "hf_fp32"):
         r = results.get(name)
         if not r:
             continue
         dec = r.get(1, {}).get("decode_tok_s")
         cells = [f"{r[b]['throughput']:.0f}" if b in r else "—" for b in batches]
-        print(f"| {name} | {r['dtype']} | {dec:.1f} | " + " | ".join(cells) + " |")
+        cells += [f"{r[s]:.0f}" for s in shapes]
+        print(f"| {name} | {r['dtype']} | {dec or float('nan'):.1f} | " + " | ".join(cells) + " |")
     for name in ("hf_bf16", "hf_fp32"):
         if f"ratio_vs_{name}" in results:
             print(f"batch-1 decode ratio vs {name} (median): {results[f'ratio_vs_{name}']:.2f}x")

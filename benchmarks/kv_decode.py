@@ -1,10 +1,11 @@
-"""Batch-1 decode speed with a compressed KV cache: plain float32 KV, FP8 and FP4 KV in the
+"""Batch-1 decode speed by KV cache format: plain float32 KV, bf16, FP8 and FP4 KV in the
 native decode step, and FP8 KV through the Python layers (the path before the native step read
 compressed KV), same run, modes interleaved over rounds (median reported).
 
-Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt 128, 64 new tokens.
+Random weights of the SmolLM2-135M architecture (bf16 checkpoint), prompt `--prompt` tokens
+(128; a long one shows the KV bytes each step reads), 64 new tokens.
 
-    python benchmarks/kv_decode.py [--rounds 3]
+    python benchmarks/kv_decode.py [--rounds 3] [--prompt 128]
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ from expresslane import LLM, SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     args = ap.parse_args()
     path = str(random_checkpoint("smollm2-135m", SMOLLM2_135M))
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (128,), generator=g).tolist()
+    prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (args.prompt,), generator=g).tolist()
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    opts = dict(max_model_len=max(1024, args.prompt + 128), max_num_batched_tokens=2048)
     llms = {
-        "plain": LLM(path, max_model_len=1024),
-        "fp8_native": LLM(path, max_model_len=1024, kv_cache_dtype="fp8"),
-        "fp4_native": LLM(path, max_model_len=1024, kv_cache_dtype="fp4"),
-        "fp8_python_layers": LLM(path, max_model_len=1024, kv_cache_dtype="fp8"),
+        "plain": LLM(path, **opts),
+        "bf16_native": LLM(path, kv_cache_dtype="bfloat16", **opts),
+        "fp8_native": LLM(path, kv_cache_dtype="fp8", **opts),
+        "fp4_native": LLM(path, kv_cache_dtype="fp4", **opts),
+        "fp8_python_layers": LLM(path, kv_cache_dtype="fp8", **opts),
     }
     model = llms["fp8_python_layers"].engine.model
     model.plan = dataclasses.replace(model.plan, stack=False)

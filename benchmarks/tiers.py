@@ -1,19 +1,23 @@
 """Tiers side by side: what the ultrafast lane buys one request, and what it costs the others.
 
-One `expresslane serve` process (the demo model unless --model), one client process. `--streams`
-default-tier streams of long outputs run the whole time (each restarts when it ends). Then:
+One `expresslane serve` process (the demo model unless --model), one client process. Per
+start of the server (`--starts`, each calibrating anew):
 
-  phase A  default streams alone, `--window` seconds: default throughput without ultrafast
-  phase B  the same, plus `--ultrafast` ultrafast requests one after another
+  solo     `--ultrafast` ultrafast requests one after another on an idle server: their speed
+           alone
+  phase A  `--streams` default-tier streams of long outputs (each restarts when it ends) for
+           `--window` seconds: default throughput without ultrafast
+  phase B  the same streams, plus the ultrafast requests again one after another
 
 Per ultrafast request: decode tokens/s (first token excluded) and its inter-token latencies; the
 default streams' tokens/s over the same interval. Reported: the median of the per-request ratio
-ultrafast / median default stream, the p99 ITL against the lane's target, and default-lane
-throughput with and without the ultrafast traffic (the price of the lane). `--targets` reruns
+ultrafast / median default stream, the ultrafast speed in phase B as a fraction of its solo
+speed, the p99 ITL, default-lane throughput with and without the ultrafast traffic (the price
+of the lane), and the spread of the auto targets over the starts. `--targets` reruns
 phase B with other ultrafast targets (tokens/s) to show default throughput against the target.
 Token times are client-side, from SSE chunks (`logprobs` gives the tokens in each chunk).
 
-    python benchmarks/tiers.py [--streams 32] [--ultrafast 10] [--targets 60,90]
+    python benchmarks/tiers.py [--starts 3] [--streams 32] [--ultrafast 10] [--targets 60,90]
 """
 
 from __future__ import annotations
@@ -110,6 +114,27 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
+def ultrafast_request(stamps: list[float]) -> dict:
+    first, last = stamps[0], stamps[-1]
+    return {
+        "tokens_per_s": (len(stamps) - 1) / (last - first),
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "first": first,
+        "last": last,
+    }
+
+
+async def run_solo(args, server: Server, http) -> dict:
+    """The ultrafast requests alone on the server (after one unmeasured warm-up request)."""
+    await stream(http, server, "ultrafast", args.ultrafast_tokens, [])
+    speeds = []
+    for _ in range(args.ultrafast):
+        stamps: list[float] = []
+        await stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
+        speeds.append(ultrafast_request(stamps)["tokens_per_s"])
+    return {"ultrafast_tokens_per_s_median": statistics.median(speeds), "per_request": speeds}
+
+
 async def run_phases(args, server: Server, http) -> dict:
     per_stream: list[list[float]] = [[] for _ in range(args.streams)]
     stop = asyncio.Event()
@@ -123,17 +148,13 @@ async def run_phases(args, server: Server, http) -> dict:
     for _ in range(args.ultrafast):
         stamps: list[float] = []
         await stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
-        first, last = stamps[0], stamps[-1]
+        f = ultrafast_request(stamps)
+        first, last = f.pop("first"), f.pop("last")
         others = [count_between(s, first, last) / (last - first) for s in per_stream]
-        fast.append(
-            {
-                "tokens_per_s": (len(stamps) - 1) / (last - first),
-                "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-                "default_stream_tokens_per_s": statistics.median(others),
-                "default_throughput": sum(others),
-                "seconds": last - first,
-            }
-        )
+        f["default_stream_tokens_per_s"] = statistics.median(others)
+        f["default_throughput"] = sum(others)
+        f["seconds"] = last - first
+        fast.append(f)
         await asyncio.sleep(0.2)  # let the default lane run uncapped for a moment
     stop.set()
     for w in workers:
@@ -166,24 +187,43 @@ async def run_phases(args, server: Server, http) -> dict:
     }
 
 
+async def one_start(args, http, port: int, target: float | None) -> dict:
+    flags = [] if target is None else [f"ultrafast.target_tokens_per_s={target}"]
+    server = Server(args, port, flags)
+    try:
+        lane_targets = await server.ready(http)
+        solo = await run_solo(args, server, http)
+        run = await run_phases(args, server, http)
+    finally:
+        server.stop()
+    run["solo"] = solo
+    b = run["with_ultrafast"]
+    b["fraction_of_solo"] = (
+        b["ultrafast_tokens_per_s_median"] / solo["ultrafast_tokens_per_s_median"]
+    )
+    if b["ratio_median"] == float("inf"):
+        b["ratio_median"] = None
+    run["ultrafast_target_tokens_per_s"] = lane_targets["ultrafast"]
+    run["target_itl_ms"] = 1000 / lane_targets["ultrafast"]
+    return run
+
+
 async def main_async(args) -> dict:
     results = {"machine": machine(), "settings": vars(args), "runs": []}
-    targets = [None] + [float(t) for t in args.targets.split(",") if t]
+    targets = [None] * args.starts + [float(t) for t in args.targets.split(",") if t]
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
         for i, target in enumerate(targets):
-            flags = [] if target is None else [f"ultrafast.target_tokens_per_s={target}"]
-            server = Server(args, args.port + i, flags)
-            try:
-                lane_targets = await server.ready(http)
-                run = await run_phases(args, server, http)
-            finally:
-                server.stop()
-            run["ultrafast_target_tokens_per_s"] = lane_targets["ultrafast"]
-            if run["with_ultrafast"]["ratio_median"] == float("inf"):
-                run["with_ultrafast"]["ratio_median"] = None
-            run["target_itl_ms"] = 1000 / lane_targets["ultrafast"]
+            run = await one_start(args, http, args.port + i, target)
             results["runs"].append(run)
             report(run)
+    auto = [r["ultrafast_target_tokens_per_s"] for r in results["runs"][: args.starts]]
+    mid = statistics.median(auto)
+    results["auto_targets"] = {"values": auto, "spread": [t / mid - 1 for t in auto]}
+    spread = ", ".join(f"{100 * s:+.0f}%" for s in results["auto_targets"]["spread"])
+    print(
+        f"auto targets over {args.starts} starts: {', '.join(f'{t:.0f}' for t in auto)} tok/s "
+        f"({spread} of their median)"
+    )
     return results
 
 
@@ -191,8 +231,10 @@ def report(run: dict) -> None:
     a, b = run["default_alone"], run["with_ultrafast"]
     print(
         f"target {run['ultrafast_target_tokens_per_s']:.0f} tok/s "
-        f"(ITL {run['target_itl_ms']:.1f} ms) | ultrafast {b['ultrafast_tokens_per_s_median']:.1f}"
-        f" tok/s vs default stream {b['default_stream_tokens_per_s_median']:.1f} -> "
+        f"(ITL {run['target_itl_ms']:.1f} ms) | ultrafast solo "
+        f"{run['solo']['ultrafast_tokens_per_s_median']:.1f}, with default "
+        f"{b['ultrafast_tokens_per_s_median']:.1f} tok/s ({100 * b['fraction_of_solo']:.0f}% of "
+        f"solo) vs default stream {b['default_stream_tokens_per_s_median']:.1f} -> "
         f"{b['ratio_median'] or float('inf'):.1f}x | ITL p50 {b['itl_p50_ms']:.1f} ms "
         f"p99 {b['itl_p99_ms']:.1f} ms"
         f" | default throughput {a['throughput']:.0f} alone, {b['default_throughput']:.0f} "
@@ -204,6 +246,7 @@ def report(run: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--starts", type=int, default=3, help="server starts with the auto target")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--default-tokens", type=int, default=512)
     ap.add_argument("--ultrafast", type=int, default=10)

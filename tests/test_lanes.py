@@ -139,11 +139,13 @@ def test_auto_target_keeps_the_lane_at_its_fraction_of_solo_speed(llama_dir, sol
     engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
     while not fast.is_finished:
         engine.step()
-        b = batches[-1]
-        # within 1/0.8 of the ultrafast request's own step: 13.75 ms, two default decodes
-        assert model.predict(len(b.items), b.num_tokens, b.context_tokens) <= 0.011 / 0.8 + 1e-9
-    decode_batches = [b for b in batches if b.num_tokens == len(b.items)]
-    assert max(len(b.items) for b in decode_batches) == 3  # the lower lanes still run
+    steps = [model.predict(len(b.items), b.num_tokens, b.context_tokens) for b in batches]
+    # the default decodes add 1/0.8 - 1 of the ultrafast step (11 ms) on average, 2.75 ms:
+    # 2 or 3 of them a step, what one step leaves saved up for the next (one step at most)
+    added = sum(steps) - 0.011 * len(steps)
+    assert 0.0025 * len(steps) <= added <= 0.00275 * len(steps) + 1e-9
+    assert max(steps) <= 2 * 0.011 + 1e-9
+    assert {len(b.items) - 1 for b in batches[1:]} == {2, 3}
     _run(engine, slow)
     assert fast.output_token_ids == solo(prompts[0], 20)
     assert [r.output_token_ids for r in slow] == [solo(p, 20) for p in prompts[1:]]
@@ -195,13 +197,13 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     assert engine.step_model.ready
     assert len(engine.step_model.calibration) >= 7  # several batch shapes were timed
     assert engine.step_model.predict(1, 1, 64) > 0
-    # "auto": the lane keeps 85% of its solo speed, reported as that share of one decode alone
-    assert engine.scheduler.solo_fractions == {"ultrafast": 0.85}
+    # "auto": the lane keeps 90% of its solo speed, reported as that share of one decode alone
+    assert engine.scheduler.solo_fractions == {"ultrafast": 0.9}
     assert "ultrafast" not in engine.scheduler.targets
     # ... measured: the median of the calibration's decodes alone (three rounds of three)
     assert len(engine.step_model.solo_steps) >= 9
     solo_speed = 1 / float(np.median(engine.step_model.solo_steps))
-    assert lane_targets(engine) == {"ultrafast": pytest.approx(0.85 * solo_speed)}
+    assert lane_targets(engine) == {"ultrafast": pytest.approx(0.9 * solo_speed)}
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

@@ -27,8 +27,8 @@ class Lane:
     # Per-request decode speed this lane is held at by capping the lower lanes; None: no
     # target; "auto": `solo_fraction` of the speed its requests get alone.
     target_tokens_per_s: float | str | None = None
-    # With "auto": the lower lanes add at most 1/solo_fraction - 1 to this lane's step time.
-    solo_fraction: float = 0.85
+    # With "auto": the lower lanes add 1/solo_fraction - 1 to this lane's step time, on average.
+    solo_fraction: float = 0.95
     # Overrides the engine's `speculative` for this lane; False: no speculation here.
     speculative: dict | bool | None = None
     enabled: bool = True

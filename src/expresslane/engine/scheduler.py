@@ -9,10 +9,12 @@ While a request of a lane with a speed target is active, the lower lanes only ge
 the step time that keeps it at its target, as predicted by the step-latency model: the rest of
 their requests keep their KV and skip the step (round robin makes them take turns). A target is
 either relative (`solo_fractions`: the lane's requests keep this fraction of the speed they get
-alone, so the lower lanes may add up to 1/fraction - 1 of the step time the lane takes itself)
-or absolute (`targets`, tokens/s per request). Under an absolute target the lower lanes always
-get at least `LOWER_LANE_SHARE` of the step time the targeted lanes take themselves, so a busy
-ultrafast lane slows the others but never stops them.
+alone, so the lower lanes may add up to 1/fraction - 1 of the step time the lane takes itself,
+on average: what a step leaves unused is saved up, up to one step's time, so a row that costs
+more than one step's share still runs every few steps) or absolute (`targets`, tokens/s per
+request). Under an absolute target the lower lanes always get at least `LOWER_LANE_SHARE` of the
+step time the targeted lanes take themselves. Either way a busy ultrafast lane slows the others
+but never stops them.
 
 When blocks run out, the lowest-ranked, most recent running request is preempted: its blocks are
 released and it is recomputed later, prompt and output so far (its cached prefix blocks often
@@ -73,6 +75,10 @@ class Scheduler:
         self.targets: dict[str, float] = {}
         # Lanes held at a fraction of their solo speed (`set_solo_fraction`).
         self.solo_fractions: dict[str, float] = {}
+        # Step time the lower lanes saved up under a relative target, and this step's
+        # targeted time it is measured against (None: no relative target this step).
+        self._credit = 0.0
+        self._credit_base: float | None = None
         # mean tokens a request gains per step, per speculating lane (`observe_tokens_per_step`)
         self.tokens_per_step: dict[str, float] = {}
         self.waiting: list[Request] = []  # sorted by (lane rank, arrival)
@@ -89,7 +95,7 @@ class Scheduler:
 
     def set_solo_fraction(self, lane: str, fraction: float | None) -> None:
         """Keep `lane`'s requests at `fraction` of the speed they get alone (None: no such
-        target): the lower lanes add at most 1/fraction - 1 of the lane's own step time."""
+        target): the lower lanes add 1/fraction - 1 of the lane's own step time, on average."""
         if fraction is None:
             self.solo_fractions.pop(lane, None)
         else:
@@ -194,6 +200,7 @@ class Scheduler:
             # jump ahead of a better lane that could not admit its own.
             if not (out_of_blocks or admission_closed):
                 admission_closed = self._admit(batch, lane, cap)
+        self._settle_credit(batch)
         return batch
 
     def _lower_lane_cap(self, batch: ScheduledBatch, limit: float | None) -> float | None:
@@ -208,8 +215,21 @@ class Scheduler:
             self.solo_fractions[r.lane] for r, _ in batch.items if r.lane in self.solo_fractions
         ]
         if fractions:
-            caps.append(so_far / min(fractions))
+            share = so_far * (1 / min(fractions) - 1)
+            self._credit = min(self._credit + share, so_far)
+            self._credit_base = so_far
+            caps.append(so_far + self._credit)
         return min(caps, default=None)
+
+    def _settle_credit(self, batch: ScheduledBatch) -> None:
+        """Spend what the lower lanes took of the saved-up step time; none is kept over a
+        step without a relative target."""
+        if self._credit_base is None:
+            self._credit = 0.0
+            return
+        took = self.step_model.predict(len(batch.items), batch.num_tokens, batch.context_tokens)
+        self._credit = max(0.0, self._credit - (took - self._credit_base))
+        self._credit_base = None
 
     def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
         """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""
