@@ -82,21 +82,21 @@ def test_the_engine_logs_the_plan_it_runs(caplog):
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
-def test_bfloat16_asked_for_takes_the_kernels_with_a_bf16_kv_cache(llama_bf16_dir):
-    """dtype="bfloat16" on a CPU: bf16 weights through the layer stack, bf16 KV rows, float32
-    activations; the same tokens as the checkpoint's dtype with a bf16 KV cache asked for."""
+def test_bfloat16_asked_for_takes_the_kernels(llama_bf16_dir):
+    """dtype="bfloat16" on a CPU: bf16 weights through the layer stack, float32 activations,
+    as for the checkpoint's dtype: the same plan and the same tokens."""
     from expresslane import LLM, SamplingParams
 
     from .conftest import random_prompts
 
-    asked = LLM(str(llama_bf16_dir), dtype="bfloat16")
-    engine = asked.engine
-    assert engine.dtype == torch.float32 and engine.kv_cache_dtype == "bfloat16"
-    assert engine.model.layer_stack is not None and "Bf16KV" in engine.model.plan.describe()
-    assert all(store.tensor.dtype == torch.bfloat16 for store in engine.runner.kv_caches)
-    auto = LLM(str(llama_bf16_dir), kv_cache_dtype="bfloat16")
+    asked, auto = LLM(str(llama_bf16_dir), dtype="bfloat16"), LLM(str(llama_bf16_dir))
+    assert asked.engine.dtype == torch.float32
+    assert asked.engine.model.layer_stack is not None
+    assert asked.engine.model.plan == auto.engine.model.plan
     prompts = random_prompts(4, 10, 30, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     tokens = [o.token_ids for o in asked.generate(prompts, params)]
     assert tokens == [o.token_ids for o in auto.generate(prompts, params)]
-    assert LLM(str(llama_bf16_dir)).engine.kv_cache_dtype == "auto"  # float32 rows
+    bf16_kv = LLM(str(llama_bf16_dir), dtype="bfloat16", kv_cache_dtype="bfloat16").engine
+    assert "Bf16KV" in bf16_kv.model.plan.describe() and bf16_kv.model.layer_stack is not None
+    assert all(store.tensor.dtype == torch.bfloat16 for store in bf16_kv.runner.kv_caches)

@@ -24,10 +24,3 @@ def model_dtypes(
     if dtype is None:
         raise InvalidRequestError(f"unknown dtype {name!r}; use bfloat16, float16 or float32")
     return compute_dtypes(dtype, config.dtype == "auto", device)
-
-
-def kv_cache_dtype(config: EngineConfig, compute_dtype: torch.dtype) -> str:
-    """The KV store (models/kv_store.py): the one asked for, where "auto" under a bfloat16
-    model computed in float32 keeps bf16 rows, the bytes a bf16 model's cache holds."""
-    bf16 = config.dtype == "bfloat16" and compute_dtype == torch.float32
-    return "bfloat16" if config.kv_cache_dtype == "auto" and bf16 else config.kv_cache_dtype

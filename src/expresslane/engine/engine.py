@@ -12,7 +12,7 @@ import torch
 from expresslane.config import EngineConfig
 from expresslane.demo import DRAFT_DIR, demo_model_dir
 from expresslane.engine.calibration import calibrate, lane_targets, resolve_targets
-from expresslane.engine.dtypes import kv_cache_dtype, model_dtypes
+from expresslane.engine.dtypes import model_dtypes
 from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.isolation import StepRun, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
@@ -48,7 +48,7 @@ class LLMEngine:
         num_blocks, max_len = self._size_kv_cache(config, mcfg, max_len)
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        cache = CacheConfig(num_blocks, config.block_size, self.kv_cache_dtype)
+        cache = CacheConfig(num_blocks, config.block_size, config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, cache, config.seed)
         log.info("execution plan: %s", self.model.plan.describe())
         # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
@@ -65,7 +65,6 @@ class LLMEngine:
     def _load_model(self, config: EngineConfig, mcfg: ModelConfig) -> int:
         """Weights, lanes and the request factory; the context length they allow."""
         self.dtype, linear_dtype = model_dtypes(config, mcfg.torch_dtype, self.device)
-        self.kv_cache_dtype = kv_cache_dtype(config, self.dtype)
         max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if mcfg.sliding_window:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
@@ -88,7 +87,7 @@ class LLMEngine:
 
     def _size_kv_cache(self, config: EngineConfig, mcfg: ModelConfig, max_len: int):
         """(KV blocks, context length): the context shrinks to what the blocks hold."""
-        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, self.kv_cache_dtype)
+        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.kv_bytes_per_token = per_block // config.block_size
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
         capacity = num_blocks * config.block_size

@@ -102,8 +102,10 @@ class StepLatencyModel:
 
     def solo_step(self) -> float | None:
         """The median time of the latest single-token steps of one sequence (a decode alone),
-        measured rather than predicted; None before any."""
-        return float(np.median(self.solo_steps)) if self.solo_steps else None
+        measured rather than predicted; None before any. Safe from another thread (the
+        metrics): the deque is copied in one C call first."""
+        steps = list(self.solo_steps)
+        return float(np.median(steps)) if steps else None
 
     def fit(self) -> None:
         self._since_fit = 0

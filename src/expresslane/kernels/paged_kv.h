@@ -1,5 +1,5 @@
-// One layer's paged KV cache as the C++ code reads and writes it, in place: float32
-// [2, Hkv, slots, D]; or bf16 [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
+// One layer's paged KV cache as the C++ code reads and writes it, in place: float32 or bf16
+// [2, Hkv, slots, D]; or FP8 KV: E4M3 bytes [2, Hkv, slots, D] + float16 scales
 // [2, Hkv, slots, 1]; or FP4 KV: E2M1 codes [2, Hkv, slots, D/2] + E4M3 scales per 16 values
 // [2, Hkv, slots, D/16] (models/kv_store.py PlainKV, Bf16KV, Fp8KV, Fp4KV: native()).
 //

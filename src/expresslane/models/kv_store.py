@@ -5,8 +5,9 @@ caching and speculative rollback do not care. A store writes the new tokens' K/V
 slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute dtype:
 
 - `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
-- `Bf16KV` (`"bfloat16"`): bf16 under a float32 compute dtype, half the bytes read per decode
-  step (what `"auto"` means when the model was asked for in bfloat16 on a CPU).
+- `Bf16KV` (`"bfloat16"`): bf16 rows under a float32 compute dtype: half the memory per token
+  (the C++ step widens each row it reads; at a 4k context a decode step is ~0.7x as fast as
+  over float32 rows on a CPU, BENCHMARKS.md).
 - `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
   (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (48% less at D = 64).
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
