@@ -34,6 +34,25 @@ inline uint8_t e2m1_code(float v) {
   return index | (std::signbit(v) ? 8 : 0);
 }
 
+// dst[0..n) = the bf16 values at src as float32 (bf16 is float32's top half).
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &wide, sizeof(float));
+  }
+}
+
 struct PagedKV {
   std::vector<torch::Tensor> kv;
   KVKind kind = KVKind::kPlain;
@@ -72,11 +91,7 @@ struct PagedKV {
     const int64_t r = (which * Hkv + h) * S + slot;
     if (kind == KVKind::kPlain) return reinterpret_cast<const float*>(values) + r * D;
     if (kind == KVKind::kBf16) {
-      const uint16_t* bits = reinterpret_cast<const uint16_t*>(values) + r * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is float32's top half
-        std::memcpy(buf + i, &wide, sizeof(float));
-      }
+      widen_bf16(reinterpret_cast<const uint16_t*>(values) + r * D, buf, D);
       return buf;
     }
     const float* e4m3 = e4m3_table();
