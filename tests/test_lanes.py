@@ -28,6 +28,18 @@ def _run(engine: LLMEngine, reqs) -> None:
         engine.step()
 
 
+def _ultrafast_among_defaults(engine: LLMEngine, prompts, params):
+    """Default requests of prompts[1:], one step, then an ultrafast one of prompts[0]; every
+    batch scheduled from then on is recorded."""
+    slow = [engine.add_request(p, params, request_id=f"d{i}") for i, p in enumerate(prompts[1:])]
+    engine.step()  # no ultrafast request yet: no cap
+    fast = engine.add_request(prompts[0], params, request_id="u", lane="ultrafast")
+    batches = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
+    return slow, fast, batches
+
+
 @pytest.fixture(scope="module")
 def solo(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32")
@@ -101,13 +113,8 @@ def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir,
     engine._targets_resolved = True
     prompts = random_prompts(21, 5, 12, seed=12)
     params = SamplingParams(max_tokens=30, **GREEDY)
-    slow = [engine.add_request(p, params, request_id=f"d{i}") for i, p in enumerate(prompts[1:])]
-    engine.step()  # no ultrafast request yet: no cap, all 20 start
-    assert len(engine.scheduler.running) == 20
-    fast = engine.add_request(prompts[0], params, request_id="u", lane="ultrafast")
-    batches = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
+    slow, fast, batches = _ultrafast_among_defaults(engine, prompts, params)
+    assert len(engine.scheduler.running) == 20  # before the ultrafast one: no cap, all started
     while not fast.is_finished:
         engine.step()
         assert len(batches[-1].items) <= 14
@@ -131,12 +138,7 @@ def test_auto_target_keeps_the_lane_at_its_fraction_of_solo_speed(llama_dir, sol
     engine._resolve_targets()
     prompts = random_prompts(9, 5, 12, seed=15)
     params = SamplingParams(max_tokens=20, **GREEDY)
-    slow = [engine.add_request(p, params, request_id=f"d{i}") for i, p in enumerate(prompts[1:])]
-    engine.step()
-    fast = engine.add_request(prompts[0], params, request_id="u", lane="ultrafast")
-    batches = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]
+    slow, fast, batches = _ultrafast_among_defaults(engine, prompts, params)
     while not fast.is_finished:
         engine.step()
     steps = [model.predict(len(b.items), b.num_tokens, b.context_tokens) for b in batches]
