@@ -15,6 +15,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 (16) bf16 values at p as float32: bf16 is float32's top half, widened by a 16-bit shift.
+inline __m256 load_bf16x8(const void* p) {
+  const __m128i raw = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+#ifdef __AVX512F__
+inline __m512 load_bf16x16(const void* p) {
+  const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 // E4M3 byte -> float, as torch converts float8_e4m3fn.
 inline const float* e4m3_table() {
   static const std::array<float, 256> t = [] {

@@ -15,12 +15,8 @@
 
 namespace {
 
-inline __m256 load_bf16x8(const at::BFloat16* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 using expresslane::hsum;
+using expresslane::load_bf16x8;
 
 inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -58,10 +54,7 @@ inline void row_kernel(const float* x, const at::BFloat16* row, float* y, int64_
 // rows: at 5-8 the 4M accumulators spill, and two passes of 4 measured as fast as one of 8.
 constexpr int kChains512 = 4;
 
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using expresslane::load_bf16x16;
 
 template <int M>
 inline void row_kernel512(const float* x, const at::BFloat16* row, float* y, int64_t K, int64_t N, int64_t n,

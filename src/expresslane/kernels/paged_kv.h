@@ -38,15 +38,9 @@ inline uint8_t e2m1_code(float v) {
 inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_bf16x16(src + i));
 #endif
-  for (; i + 8 <= n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
   for (; i < n; ++i) {
     const uint32_t wide = static_cast<uint32_t>(src[i]) << 16;
     std::memcpy(dst + i, &wide, sizeof(float));

@@ -75,7 +75,7 @@ class Bf16KV(PlainKV):
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * torch.bfloat16.itemsize
+        return PlainKV.bytes_per_token(num_kv_heads, head_dim, torch.bfloat16)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         # the reference: PagedKV::write_row (kernels/paged_kv.h) rounds to nearest, ties even
