@@ -125,15 +125,16 @@ def ultrafast_request(stamps: list[float]) -> dict:
     }
 
 
-async def run_solo(args, server: Server, http) -> dict:
-    """The ultrafast requests alone on the server (after one unmeasured warm-up request)."""
+async def solo_speeds(args, server: Server, http) -> list[float]:
+    """Tokens/s of the ultrafast requests alone on the server (after one unmeasured warm-up
+    request)."""
     await stream(http, server, "ultrafast", args.ultrafast_tokens, [])
     speeds = []
     for _ in range(args.ultrafast):
         stamps: list[float] = []
         await stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
         speeds.append(ultrafast_request(stamps)["tokens_per_s"])
-    return {"ultrafast_tokens_per_s_median": statistics.median(speeds), "per_request": speeds}
+    return speeds
 
 
 async def run_phases(args, server: Server, http) -> dict:
@@ -193,13 +194,12 @@ async def one_start(args, http, port: int, target: float | None) -> dict:
     server = Server(args, port, flags)
     try:
         lane_targets = await server.ready(http)
-        before = await run_solo(args, server, http)
+        speeds = await solo_speeds(args, server, http)
         run = await run_phases(args, server, http)
         await asyncio.sleep(1.0)  # the cancelled default streams are aborted
-        after = await run_solo(args, server, http)
+        speeds += await solo_speeds(args, server, http)
     finally:
         server.stop()
-    speeds = before["per_request"] + after["per_request"]
     solo = {"ultrafast_tokens_per_s_median": statistics.median(speeds), "per_request": speeds}
     run["solo"] = solo
     b = run["with_ultrafast"]
