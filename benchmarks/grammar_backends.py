@@ -120,8 +120,10 @@ def main() -> None:
     tok_json = (model_dir / "tokenizer.json").read_text()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
-    print(f"{'library':<11} {'schema':<9} {'tokenizer ms':>12} {'compile ms':>10} "
-          f"{'mask us p50':>11} {'mask us p99':>11} {'steps':>5}")
+    print(
+        f"{'library':<11} {'schema':<9} {'tokenizer ms':>12} {'compile ms':>10} "
+        f"{'mask us p50':>11} {'mask us p99':>11} {'steps':>5}"
+    )
     for name, schema in SCHEMAS.items():
         for lib in ("llguidance", "xgrammar"):
             all_times, toks, comps = [], [], []

@@ -89,11 +89,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument(
-        "--overlap", choices=["auto", "on", "off"], default="auto",
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
         help="fill masks on a worker thread during the forward pass (auto: the engine's choice)",
     )
     ap.add_argument(
-        "--no-forced", action="store_true",
+        "--no-forced",
+        action="store_true",
         help="constrained requests do not guess the tokens their grammar forces (masks only)",
     )
     args = ap.parse_args()

@@ -28,7 +28,16 @@ def time_rows(model, rows: int, ctx: int, repeats: int) -> tuple[float, float]:
     slots = torch.arange(length, dtype=torch.long)  # any free slots will do for timing
     cos, sin = model.rotary.tables(torch.arange(ctx, length))
     x = torch.randn(rows, model.cfg.hidden_size)
-    args = (cos, sin, slots[ctx:], slots, length, torch.tensor([rows]), torch.tensor([ctx]))
+    args = (
+        cos,
+        sin,
+        slots[ctx:],
+        slots,
+        length,
+        torch.tensor([rows]),
+        torch.tensor([ctx]),
+        torch.tensor([0]),
+    )
     for _ in range(20):
         h = stack.forward(x, *args)
     start = time.perf_counter()

@@ -278,7 +278,9 @@ def test_native_decode_step_matches_the_python_layers(
         k, v = (torch.randn(n, hkv, d, generator=g) for _ in range(2))
         store.write(k, v, torch.arange(n))
     seqs = [
-        SimpleNamespace(num_computed_tokens=n, block_ids=[10 * i + j for j in range(10)])
+        SimpleNamespace(
+            num_computed_tokens=n, num_prompt_tokens=1, block_ids=[10 * i + j for j in range(10)]
+        )
         for i, n in enumerate([5, 37, 18])
     ]
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
@@ -304,6 +306,7 @@ def test_native_decode_step_matches_the_python_layers(
             meta.decode_ctx,
             torch.full((len(seqs),), q_len),
             meta.decode_starts,
+            torch.zeros(len(seqs), dtype=torch.long),  # no prompt rows
         )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     # the final norm and output head, for some rows and for all
@@ -337,8 +340,9 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     tmp_path, monkeypatch, checkpoints, arch, quantization
 ):
     """A ragged step through the C++ step: two decodes, a whole prompt of 20 tokens and a
-    12-token chunk after 30 cached ones, against the Python layers (SDPA for the chunks), with
-    bf16 or FP4 linears."""
+    12-token chunk after 30 cached ones whose last 6 rows are past its prompt, against the
+    Python layers (SDPA for the chunks), with bf16 or FP4 linears: the prompt rows run the
+    tiled kernel where it is built, the rest the decode kernel."""
     from types import SimpleNamespace
 
     from expresslane import LLM
@@ -346,6 +350,7 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
     monkeypatch.setattr(attention, "native_decode_attention", lambda q, kv: None)
+    monkeypatch.setattr(attention, "native_prompt_attention", lambda q, kv: None)
     bf16_copy(checkpoints[arch], tmp_path)
     engine = LLM(str(tmp_path), quantization=quantization).engine
     model, runner = engine.model, engine.runner
@@ -355,7 +360,10 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     for store in runner.kv_caches:  # earlier tokens' keys and values, the cached prefix too
         n = runner.block_size * 40
         store.write(*(torch.randn(n, hkv, d, generator=g) for _ in range(2)), torch.arange(n))
-    seq = [SimpleNamespace(block_ids=[10 * i + j for j in range(10)]) for i in range(4)]
+    seq = [
+        SimpleNamespace(block_ids=[10 * i + j for j in range(10)], num_prompt_tokens=1)
+        for i in range(4)
+    ]
     decodes = [(seq[0], 5), (seq[1], 37)]  # (request, tokens cached)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
     for s_, cached in decodes:
@@ -365,8 +373,8 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     slots = [runner.slots(s_, a, b) for s_, a, b in spans]
     meta.slot_mapping = torch.from_numpy(np.concatenate(slots))
     meta.prefills = [
-        PrefillChunk(2, 20, 20, None),
-        PrefillChunk(22, 12, 42, torch.from_numpy(runner.slots(seq[3], 0, 42))),
+        PrefillChunk(2, 20, 20, None, prompt_end=20),
+        PrefillChunk(22, 12, 42, torch.from_numpy(runner.slots(seq[3], 0, 42)), prompt_end=36),
     ]
     positions = torch.cat([torch.arange(a, b) for _, a, b in spans])
     x = torch.randn(len(positions), model.cfg.hidden_size, generator=g)
@@ -375,9 +383,12 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
         ref = x
         for layer in model.layers:
             ref = layer(ref, cos, sin, meta)
-        q_lens, starts, table, ctx = meta.sequences()
+        q_lens, starts, table, ctx, ends = meta.sequences()
         assert q_lens.tolist() == [1, 1, 20, 12] and starts.tolist() == [5, 37, 0, 30]
-        out = model.layer_stack.forward(x, cos, sin, meta.slot_mapping, table, ctx, q_lens, starts)
+        assert ends.tolist() == [1, 1, 20, 36]
+        out = model.layer_stack.forward(
+            x, cos, sin, meta.slot_mapping, table, ctx, q_lens, starts, ends
+        )
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
 
 
@@ -402,7 +413,9 @@ def test_decode_attention_matches_the_torch_path(store_name, q_len):
     perm = torch.randperm(64, generator=g).tolist()
     lens = torch.randint(1, 60, (12,), generator=g).tolist()
     seqs = [
-        SimpleNamespace(num_computed_tokens=c, block_ids=perm[5 * i : 5 * i + 5])
+        SimpleNamespace(
+            num_computed_tokens=c, num_prompt_tokens=1, block_ids=perm[5 * i : 5 * i + 5]
+        )
         for i, c in enumerate(lens)
     ]
     runner = SimpleNamespace(block_size=block, device="cpu", dtype=torch.float32)

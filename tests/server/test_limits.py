@@ -131,9 +131,7 @@ def test_huge_prompt_is_refused_before_tokenizing(http, model_name):
 
 def test_token_ids_are_checked_before_echo(http, model_name):
     for prompt in ([1, 2, 10**30], [-1], [[1, 2], [2**70]]):
-        r = http.post(
-            "/v1/completions", json={"model": model_name, "prompt": prompt, "echo": True}
-        )
+        r = http.post("/v1/completions", json={"model": model_name, "prompt": prompt, "echo": True})
         check(r, 400, says="token ids")
 
 
@@ -187,9 +185,7 @@ def long_engine(tmp_path_factory):
 
 @pytest.fixture
 def small_queue_server(long_engine):
-    settings = ServerSettings(
-        store_path=":memory:", max_queued_per_lane=0, max_in_flight_per_key=6
-    )
+    settings = ServerSettings(store_path=":memory:", max_queued_per_lane=0, max_in_flight_per_key=6)
     with ServerThread(create_app(long_engine, settings)) as s:
         yield s
 

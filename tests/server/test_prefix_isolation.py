@@ -40,9 +40,7 @@ def keyed(llama_dir, tmp_path_factory):
 
 def cached(server, key: str, prompt: list[int], **extra) -> int:
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-    r = c.completions.create(
-        model="llama", prompt=prompt, max_tokens=1, extra_body=extra or None
-    )
+    r = c.completions.create(model="llama", prompt=prompt, max_tokens=1, extra_body=extra or None)
     return r.usage.prompt_tokens_details.cached_tokens
 
 

@@ -108,7 +108,7 @@ class ModelRunner:
                 ctx = None
                 if start > 0:  # attends to a cached prefix: read it from the paged cache
                     ctx = torch.from_numpy(self.slots(req, 0, end)).to(self.device)
-                prefills.append(PrefillChunk(row0, n, end, ctx))
+                prefills.append(PrefillChunk(row0, n, end, ctx, req.num_prompt_tokens))
             if end >= req.num_tokens:  # reaches the last known token: sample from there on
                 first = row0 + (req.num_tokens - 1 - start)
                 logits_rows.extend(range(first, row0 + n))
@@ -172,6 +172,8 @@ class ModelRunner:
         meta.decode_ctx = L
         meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
         meta.decode_starts = torch.from_numpy(starts).to(self.device)
+        ends = np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64)
+        meta.decode_prompt_ends = torch.from_numpy(ends).to(self.device)
         return starts, slots
 
     @torch.inference_mode()

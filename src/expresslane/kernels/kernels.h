@@ -31,6 +31,14 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor decode_slots,
                                int64_t L, int64_t Q, torch::Tensor starts);
 
+// layer_stack_cpu.cpp: tiled attention of prompt chunks over a store's native() tensors
+// (prompt_attention.h; AVX-512 builds).
+torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor slots,
+                               int64_t L, torch::Tensor q_lens, torch::Tensor starts);
+
+// whether this build has prompt_attention
+bool prompt_attention_available();
+
 // layer_stack_cpu.cpp: K/V [T, Hkv, D] into a store's native() tensors at `slots`, as the native
 // step writes them (tested against the store's own write).
 void write_kv(std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor k, torch::Tensor v, torch::Tensor slots);

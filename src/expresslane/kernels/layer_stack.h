@@ -44,9 +44,11 @@ class LayerStack {
   // cached per sequence: token j of sequence b sits at position starts[b]+j and sees
   // positions 0..starts[b]+j. Every row goes through the same operations whatever else is in
   // the step (the dot-product linears and the attention are row-invariant), so a sequence's
-  // tokens do not depend on the batch it ran in.
+  // tokens do not depend on the batch it ran in. prompt_ends: [B] positions before
+  // prompt_ends[b] are sequence b's prompt, attended by the tiled kernel (step_attention.h).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts);
+                        torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts,
+                        torch::Tensor prompt_ends);
 
   // The output head for `greedy`: token embeddings [V, hidden], final norm, lm_head linear.
   void set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head, int64_t fp4_block,

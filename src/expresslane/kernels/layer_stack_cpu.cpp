@@ -22,12 +22,13 @@
 #include "decode_ops.h"
 #include "layer_stack.h"
 #include "kernels.h"
-#include "paged_attention.h"
+#include "step_attention.h"
 
 namespace ops = expresslane::ops;
 using expresslane::Layer;
 using expresslane::Linear;
 using expresslane::PagedKV;
+using expresslane::attend_step;
 using expresslane::paged_attention;
 
 namespace {
@@ -83,18 +84,21 @@ void LayerStack::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c1
 }
 
 torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                                   torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts) {
+                                   torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts,
+                                   torch::Tensor prompt_ends) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32, "float32 activations");
   auto lens = q_lens.to(torch::kInt64).contiguous();
   const int64_t T = x.size(0), B = lens.numel(), hidden = x.size(1);
-  TORCH_CHECK(lens.sum().item<int64_t>() == T && starts.numel() == B && decode_slots.numel() == B * L,
-              "batch shapes: q_lens sum to the rows, starts [B], decode_slots [B*L]");
+  TORCH_CHECK(lens.sum().item<int64_t>() == T && starts.numel() == B && decode_slots.numel() == B * L &&
+                  prompt_ends.numel() == B,
+              "batch shapes: q_lens sum to the rows, starts and prompt_ends [B], decode_slots [B*L]");
   x = x.contiguous().clone();
   cos = cos.contiguous();
   sin = sin.contiguous();
   auto slots_out = slot_mapping.to(torch::kInt64).contiguous();
   auto slots_in = decode_slots.to(torch::kInt64).contiguous();
   auto seq_starts = starts.to(torch::kInt64).contiguous();
+  auto ends = prompt_ends.to(torch::kInt64).contiguous();
   auto h = torch::empty({T, hidden}, x.options());
   auto attn = torch::empty({T, H * D}, x.options());
   auto act = torch::empty({T, F}, x.options());
@@ -108,8 +112,8 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     auto qkv = l.qkv(h);
     prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
     write_kv(l.cache, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
-    paged_attention(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B,
-                    lens.data_ptr<int64_t>(), L, slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
+    attend_step(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B, lens.data_ptr<int64_t>(), L,
+                slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>());
     ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
     each_row(T, [&](int64_t t) {
       ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
@@ -194,7 +198,7 @@ void LayerStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const 
       std::memcpy(s.data_ptr<float>() + t * D, sin.data_ptr<float>() + position * D, D * sizeof(float));
       slot_out.data_ptr<int64_t>()[t] = sl[b * L + position];
     }
-  auto h = forward(x, c, s, slot_out, slots, L, torch::full({B}, Q, starts.options()), starts);
+  auto h = forward(x, c, s, slot_out, slots, L, torch::full({B}, Q, starts.options()), starts, torch::zeros_like(starts));
   auto last = Q == 1 ? h : h.view({B, Q, -1}).select(1, Q - 1).contiguous();
   if (greedy_ids_.defined()) {
     auto next = argmax_rows(greedy_head_(final_norm(last.contiguous())));
@@ -257,10 +261,41 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
   TORCH_CHECK(slots.numel() == B * L && seq_starts.numel() == B, "slots [B*L], starts [B]");
   auto out = torch::empty({T, H * D}, q.options());
   const std::vector<int64_t> q_lens(B, Q);
-  paged_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, q_lens.data(), L,
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b * Q;
+  paged_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, rows.data(), q_lens.data(), L,
                   slots.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
   return out;
 }
+
+// The tiled prompt attention alone (prompt_attention.h), for chunks the Python layers run: q
+// [T, H, D] float32 after RoPE, sequence b's q_lens[b] rows consecutive; kv/kind a store's
+// native() tensors; slots [B*L]; starts [B]. Returns [T, H*D].
+torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor slots,
+                               int64_t L, torch::Tensor q_lens, torch::Tensor starts) {
+  TORCH_CHECK(expresslane::kPromptAttentionBuilt, "the tiled prompt attention needs an AVX-512 build");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "q: float32 [T, H, D]");
+  q = q.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const PagedKV cache(std::move(kv), kind, D);
+  auto lens = q_lens.to(torch::kInt64).contiguous();
+  auto at = slots.to(torch::kInt64).contiguous();
+  auto seq_starts = starts.to(torch::kInt64).contiguous();
+  const int64_t B = lens.numel();
+  TORCH_CHECK(D % 16 == 0 && H % cache.Hkv == 0, "head_dim a multiple of 16, GQA groups");
+  TORCH_CHECK(lens.sum().item<int64_t>() == T && at.numel() == B * L && seq_starts.numel() == B,
+              "q_lens sum to the rows, slots [B*L], starts [B]");
+  auto out = torch::empty({T, H * D}, q.options());
+#ifdef __AVX512F__
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0, row = 0; b < B; row += lens.data_ptr<int64_t>()[b++]) rows[b] = row;
+  expresslane::prompt_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, rows.data(),
+                                lens.data_ptr<int64_t>(), L, at.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
+#endif
+  return out;
+}
+
+bool prompt_attention_available() { return expresslane::kPromptAttentionBuilt; }
 
 // k, v: float32 [T, Hkv, D] -> rows slots[t] of the cache (kv, kind: a store's native()).
 void write_kv(std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {

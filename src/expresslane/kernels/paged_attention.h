@@ -209,7 +209,8 @@ inline void weigh_group_any(const float* const* w, const float* const* values, c
 
 // Attention over the paged cache, read in place, for B sequences with q_lens[b] new tokens
 // each (1 for a decode, k+1 for a speculative verification, a prompt chunk's length), their
-// rows consecutive in q ([T, H, D], rows `q_stride` floats apart) and out ([T, H*D]); slots:
+// rows consecutive from rows[b] on in q ([T, H, D], rows `q_stride` floats apart) and out
+// ([T, H*D]); slots:
 // [B*L] the slots of positions 0..L-1 of each sequence (padded); query j of sequence b sees
 // positions 0..starts[b]+j. The work is split into (sequence, kv head, up to kBlock query
 // positions) items, each run by one thread: the G query heads of those positions are scored
@@ -220,7 +221,8 @@ inline void weigh_group_any(const float* const* w, const float* const* values, c
 // rows it shares an item with: a prompt's last token attends bit-identically whether it
 // comes in a chunk, a verification or a decode step.
 inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
-                            const int64_t* q_lens, int64_t L, const int64_t* slots, const int64_t* starts) {
+                            const int64_t* rows, const int64_t* q_lens, int64_t L, const int64_t* slots,
+                            const int64_t* starts) {
   constexpr int64_t kBlock = 16;  // query positions per item (a verification's k+1 fit in one)
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -229,9 +231,9 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   };
   std::vector<Item> items;
   int64_t work = 1;
-  for (int64_t b = 0, row = 0; b < B; row += q_lens[b++])
+  for (int64_t b = 0; b < B; ++b)
     for (int64_t j0 = 0; j0 < q_lens[b]; j0 += kBlock) {
-      items.push_back({b, row, j0, std::min(q_lens[b], j0 + kBlock)});
+      items.push_back({b, rows[b], j0, std::min(q_lens[b], j0 + kBlock)});
       work += (starts[b] + j0 + kBlock) * kBlock * G * D;
     }
   const int64_t n = static_cast<int64_t>(items.size()) * Hkv;

@@ -121,6 +121,7 @@ class ExecutionPlan:
     stack_rows: int  # decode-only steps of up to this many tokens run the stack
     every_step: bool  # every step runs the stack: all linears row-invariant
     native_head: bool  # the stack also runs the final norm and the head (logits, greedy)
+    tiled_prompts: bool = False  # prompt rows attend in the tiled kernel (prompt_attention.h)
 
     @classmethod
     def of(
@@ -130,9 +131,10 @@ class ExecutionPlan:
         head: LinearPath,
         layers: list[LinearPath],
         stack: bool,
+        tiled_prompts: bool = False,
     ) -> ExecutionPlan:
         """The plan of a model whose output head and layer linears take these paths, with or
-        without the C++ layer stack built."""
+        without the C++ layer stack built, its prompt rows in the tiled attention or not."""
         paths = [head, *layers]
         fp4 = LinearPath.FP4_W4A8 in paths or LinearPath.FP4_DEQUANTIZE in paths
         # With linears that are fast and row-invariant at any batch every step runs the
@@ -146,6 +148,7 @@ class ExecutionPlan:
             stack_rows=(FP4_STACK_ROWS if fp4 else ROW_KERNEL_ROWS) if stack else 0,
             every_step=stack and all(p in ROW_INVARIANT for p in paths),
             native_head=stack and head in STACK_PATHS,
+            tiled_prompts=tiled_prompts,
         )
 
     def uses_stack(self, num_tokens: int, decode_only: bool) -> bool:
@@ -166,4 +169,8 @@ class ExecutionPlan:
         else:
             steps = f"decode steps of <= {self.stack_rows} tokens in the C++ layer stack"
         head = ", head in the stack" if self.native_head else ""
-        return f"{self.compute} compute, {self.kv_cache}; linears: {linears}; {steps}{head}"
+        prompts = "tiled" if self.tiled_prompts else "row by row" if self.stack else "SDPA"
+        return (
+            f"{self.compute} compute, {self.kv_cache}; linears: {linears}; {steps}{head}; "
+            f"prompt attention {prompts}"
+        )

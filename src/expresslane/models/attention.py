@@ -5,8 +5,9 @@ A step's tokens are flattened into one [T, ...] batch. The first `num_decode_tok
 speculative verification). Where the native CPU kernels run, a C++ loop attends them over
 the paged cache in place (at batch 64, 2.4 against 6.3 ms per layer); elsewhere they are
 gathered into one padded batch for a grouped `bmm`, which on CPU is 8-15x faster than SDPA
-for a single query. The remaining tokens are prefill chunks, attended one sequence at a time
-with SDPA.
+for a single query. The remaining tokens are prefill chunks, attended one sequence at a time:
+their prompt rows by the C++ tiled kernel (kernels/prompt_attention.h) where it is built,
+else with SDPA.
 
 The KV cache of one layer is a store (models/kv_store.py: plain, FP8 or FP4) addressed by slot =
 block id * block_size + offset. Every sequence's slots are precomputed once per step by the
@@ -29,6 +30,7 @@ class PrefillChunk:
     slots: (
         torch.Tensor | None
     )  # [context_len] slots to read, None if the chunk is the whole context
+    prompt_end: int = 0  # positions before it are the sequence's prompt (tiled attention)
 
 
 @dataclass
@@ -40,18 +42,22 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [decode_batch * decode_ctx] flat, padded
     decode_ctx: int = 0  # padded context length of the decode batch
     decode_starts: torch.Tensor | None = None  # [decode_batch] cached tokens before this step
+    decode_prompt_ends: torch.Tensor | None = None  # [decode_batch] prompt lengths (None: 0)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 
-    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Every sequence of the step in row order, the uniform group and the prompt chunks
         alike (the layer stack's view): (new tokens [B], tokens cached before [B], padded
-        slots of positions 0..ctx-1 [B * ctx], ctx)."""
+        slots of positions 0..ctx-1 [B * ctx], ctx, prompt ends [B])."""
         B, Q = self.decode_batch, self.decode_q_len
+        decode_ends = self.decode_prompt_ends
+        if decode_ends is None:
+            decode_ends = torch.zeros(B, dtype=torch.long)
         if not self.prefills:
             q_lens = torch.full((B,), Q, dtype=torch.long)
-            return q_lens, self.decode_starts, self.decode_slots, self.decode_ctx
-        q_lens, starts, tables = [Q] * B, [], []
+            return q_lens, self.decode_starts, self.decode_slots, self.decode_ctx, decode_ends
+        q_lens, starts, tables, ends = [Q] * B, [], [], [decode_ends.cpu()]
         if B:
             starts.append(self.decode_starts.cpu())
             tables += list(self.decode_slots.view(B, self.decode_ctx))
@@ -60,11 +66,12 @@ class AttentionMetadata:
             tables.append(own if c.slots is None else c.slots)
             q_lens.append(c.length)
             starts.append(torch.tensor([c.context_len - c.length]))
+            ends.append(torch.tensor([c.prompt_end]))
         ctx = max(len(t) for t in tables)
         slots = self.slot_mapping.new_zeros(len(tables), ctx)  # slot 0 past the end: masked
         for row, table in zip(slots, tables, strict=True):
             row[: len(table)] = table
-        return torch.tensor(q_lens), torch.cat(starts), slots.view(-1), ctx
+        return torch.tensor(q_lens), torch.cat(starts), slots.view(-1), ctx, torch.cat(ends)
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
@@ -92,6 +99,18 @@ def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | No
     return None if kernels is None else kernels.decode_attention
 
 
+def native_prompt_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
+    """The C++ tiled prompt attention (kernels/prompt_attention.h) where it can serve this
+    call: CPU, float32, head_dim a multiple of 16, a KV store it reads, an AVX-512 build;
+    else None."""
+    if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 16 or kv_tensors is None:
+        return None
+    from expresslane.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.prompt_attention_available() else None
+
+
 class PagedAttention(torch.nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -101,6 +120,14 @@ class PagedAttention(torch.nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.kv = None  # a store from models/kv_store.py, bound by the runner
+
+    def tiled_prompts(self, dtype: torch.dtype) -> bool:
+        """Whether prompt rows take the tiled kernel with this KV store and compute dtype."""
+        kv = self.kv.native()
+        if kv is None:
+            return False
+        probe = torch.empty(1, self.num_heads, self.head_dim, dtype=dtype, device=kv[0].device)
+        return native_prompt_attention(probe, kv) is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
@@ -113,8 +140,33 @@ class PagedAttention(torch.nn.Module):
             out[:n_dec] = self._decode(q[:n_dec], meta)
         for chunk in meta.prefills:
             s, e = chunk.start, chunk.start + chunk.length
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], chunk)
+            kernels = native_prompt_attention(q, self.kv.native())
+            if kernels is not None:
+                slots = meta.slot_mapping[s:e] if chunk.slots is None else chunk.slots
+                out[s:e] = self._prefill_native(kernels, q[s:e], slots, chunk)
+            else:
+                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], chunk)
         return out
+
+    def _prefill_native(self, kernels, q, slots: torch.Tensor, chunk: PrefillChunk):
+        """A chunk's prompt rows in the tiled kernel, its other rows (generated tokens
+        recomputed after a preemption, guesses) in the decode kernel: each row takes the
+        kernel its position calls for, as in the C++ layer stack (kernels/step_attention.h)."""
+        n, ctx = chunk.length, chunk.context_len
+        start = ctx - n
+        split = min(max(chunk.prompt_end - start, 0), n)
+        kv, kind = self.kv.native(), self.kv.NATIVE_KIND
+        if split == n:
+            lens, starts = torch.tensor([n]), torch.tensor([start])
+            return kernels.prompt_attention(q, kv, kind, slots, ctx, lens, starts)
+        rest = kernels.decode_attention(
+            q[split:], kv, kind, slots, ctx, n - split, torch.tensor([start + split])
+        )
+        if split == 0:
+            return rest
+        lens, starts = torch.tensor([split]), torch.tensor([start])
+        head = kernels.prompt_attention(q[:split], kv, kind, slots, ctx, lens, starts)
+        return torch.cat([head, rest])
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kv = self.kv.native()

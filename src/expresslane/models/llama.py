@@ -103,6 +103,7 @@ class LlamaModel(nn.Module):
             self.lm_head.path,
             [m.path for m in self.layer_linears()],
             self.layer_stack is not None,
+            self.layers[0].attn.tiled_prompts(self.dtype),
         )
 
     def layer_linears(self) -> list[nn.Module]:
@@ -121,8 +122,10 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.tables(positions)
         decode_only = meta.num_decode_tokens == x.shape[0]
         if self.plan.uses_stack(x.shape[0], decode_only):
-            q_lens, starts, slots, ctx = meta.sequences()
-            x = self.layer_stack.forward(x, cos, sin, meta.slot_mapping, slots, ctx, q_lens, starts)
+            q_lens, starts, slots, ctx, ends = meta.sequences()
+            x = self.layer_stack.forward(
+                x, cos, sin, meta.slot_mapping, slots, ctx, q_lens, starts, ends
+            )
             if self.plan.native_head:  # the final norm and the head in the same native module
                 return self.layer_stack.logits(x, logits_indices)
         else:

@@ -1,0 +1,236 @@
+// Attention of prompt chunks over the paged KV cache (paged_kv.h), tiled (flash-style), for
+// AVX-512 builds; paged_attention.h serves every other build and every decode.
+//
+// paged_attention scores each query row against each key it sees, one or two rows per key
+// load: right for decodes, compute-starved for prompts, whose rows all read the same keys. Here
+// a work item is (sequence, kv head, tile of up to kTileRows query rows: positions times the
+// G query heads of that kv head) and walks the keys in blocks of kKeyBlock positions: the
+// scores of the whole tile by a register-blocked kernel (query rows in vector lanes, each key
+// value broadcast), the online softmax (a running max and sum per row), then probabilities
+// times values into the tile's accumulator.
+//
+// Rows in lanes keep each row's arithmetic its own: a score is a sum over d in order, key
+// blocks start at multiples of kKeyBlock whatever the chunk, and keys a row does not see add
+// exact zeros. A row's result depends on its query and the keys and values it sees, not on
+// the rows beside it nor on how the prompt was cut into chunks (tests/test_prompt_attention.py).
+// It differs from paged_attention's in the last bits (the order of its sums).
+#pragma once
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "paged_kv.h"
+
+namespace expresslane {
+
+#ifdef __AVX512F__
+constexpr bool kPromptAttentionBuilt = true;
+constexpr int64_t kKeyBlock = 32;  // keys per block, aligned to absolute positions
+constexpr int64_t kTileRows = 64;  // query rows per work item (positions x G)
+
+// e^x for 16 floats: decode_ops.h exp8's polynomial and clamp, 16 lanes at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// st[c][rows] = sum over d in order of qt[d][rows] * keys[c][d], for KC keys and R vectors of
+// 16 rows; qt and st rows `stride` floats apart.
+template <int R, int KC>
+inline void score_keys(const float* qt, int64_t stride, int64_t D, const float* const* keys, float* st) {
+  __m512 acc[KC][R];
+  for (int c = 0; c < KC; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(qt + d * stride + 16 * r);
+    for (int c = 0; c < KC; ++c) {
+      const __m512 kv = _mm512_set1_ps(keys[c][d]);
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_fmadd_ps(qv[r], kv, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < KC; ++c)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(st + c * stride + 16 * r, acc[c][r]);
+}
+
+template <int R>
+inline void score_block(const float* qt, int64_t stride, int64_t D, const float* const* keys, int64_t nk, float* st) {
+  constexpr int KC = 6;
+  int64_t c = 0;
+  for (; c + KC <= nk; c += KC) score_keys<R, KC>(qt, stride, D, keys + c, st + c * stride);
+  switch (nk - c) {
+    case 5: return score_keys<R, 5>(qt, stride, D, keys + c, st + c * stride);
+    case 4: return score_keys<R, 4>(qt, stride, D, keys + c, st + c * stride);
+    case 3: return score_keys<R, 3>(qt, stride, D, keys + c, st + c * stride);
+    case 2: return score_keys<R, 2>(qt, stride, D, keys + c, st + c * stride);
+    case 1: return score_keys<R, 1>(qt, stride, D, keys + c, st + c * stride);
+    default: return;
+  }
+}
+
+// ot[d0..d0+4)[rows] = ot * alpha + sum over j in order of p[j][rows] * values[j][d], for R
+// vectors of 16 rows.
+template <int R>
+inline void weigh_block(const float* p, int64_t stride, const float* const* values, int64_t nk, int64_t d0,
+                        const float* alpha, float* ot) {
+  constexpr int DC = 4;
+  __m512 acc[DC][R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_loadu_ps(alpha + 16 * r);
+    for (int i = 0; i < DC; ++i) acc[i][r] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + i) * stride + 16 * r), a);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 pv[R];
+    for (int r = 0; r < R; ++r) pv[r] = _mm512_loadu_ps(p + j * stride + 16 * r);
+    for (int i = 0; i < DC; ++i) {
+      const __m512 v = _mm512_set1_ps(values[j][d0 + i]);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(pv[r], v, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < DC; ++i)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(ot + (d0 + i) * stride + 16 * r, acc[i][r]);
+}
+
+// One tile's state: its queries (scaled) and accumulator transposed, rows in lanes.
+struct PromptTile {
+  int64_t rows = 0, stride = 0, D = 0;  // real rows, rows padded to 16, head dim
+  std::vector<float> qt, ot, s, m, l, alpha;  // [D][stride], [D][stride], [kKeyBlock][stride], 3 x [stride]
+  std::vector<int32_t> pos;  // [stride] each row's position (padding: the last row's)
+
+  void reset(int64_t n, int64_t head_dim) {
+    rows = n;
+    D = head_dim;
+    stride = (n + 15) / 16 * 16;
+    qt.assign(D * stride, 0.0f);
+    ot.assign(D * stride, 0.0f);
+    s.resize(kKeyBlock * stride);
+    m.assign(stride, -INFINITY);
+    l.assign(stride, 0.0f);
+    alpha.resize(stride);
+    pos.resize(stride);
+  }
+
+  // The online softmax over keys kb..kb+nk-1 for the rows of vector v: masks the keys past each
+  // row's position, updates its max and sum, leaves probabilities in s and the rescale of
+  // the earlier sums in alpha.
+  void softmax_block(int64_t v, int64_t kb, int64_t nk) {
+    const int64_t o = 16 * v;
+    const __m512i at = _mm512_loadu_si512(pos.data() + o);
+    const __m512 hidden = _mm512_set1_ps(-INFINITY);
+    const __m512 m_old = _mm512_loadu_ps(m.data() + o);
+    __m512 m_new = m_old;
+    for (int64_t j = 0; j < nk; ++j) {
+      const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(kb + j)), at);
+      const __m512 sj = _mm512_mask_blend_ps(seen, hidden, _mm512_loadu_ps(s.data() + j * stride + o));
+      m_new = _mm512_max_ps(m_new, sj);
+    }
+    const __m512 a = exp16(_mm512_sub_ps(m_old, m_new));
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l.data() + o), a);
+    for (int64_t j = 0; j < nk; ++j) {
+      const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(kb + j)), at);
+      float* sj = s.data() + j * stride + o;
+      const __m512 pj = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj), m_new)));
+      sum = _mm512_add_ps(sum, pj);
+      _mm512_storeu_ps(sj, pj);
+    }
+    _mm512_storeu_ps(m.data() + o, m_new);
+    _mm512_storeu_ps(l.data() + o, sum);
+    _mm512_storeu_ps(alpha.data() + o, a);
+  }
+
+  // Scores, softmax and weighing for one block of nk keys starting at position kb.
+  void attend(const float* const* keys, const float* const* values, int64_t kb, int64_t nk) {
+    int64_t r0 = 0;
+    for (; r0 + 32 <= stride; r0 += 32) score_block<2>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
+    if (r0 < stride) score_block<1>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
+    for (int64_t v = 0; v < stride / 16; ++v) softmax_block(v, kb, nk);
+    for (int64_t d0 = 0; d0 < D; d0 += 4) {
+      for (r0 = 0; r0 + 32 <= stride; r0 += 32)
+        weigh_block<2>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
+      if (r0 < stride) weigh_block<1>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
+    }
+  }
+};
+
+// Attention for B prompt chunks (paged_attention's arguments: sequence b's q_lens[b] rows
+// from rows[b] on, q rows `q_stride` floats apart, out [T, H*D], slots [B*L], its query j at
+// position starts[b]+j). Work items run heaviest first, each thread taking the next one free (the
+// tiles of a causal prompt differ in work up to the prompt's length).
+inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
+                             const int64_t* rows, const int64_t* q_lens, int64_t L, const int64_t* slots,
+                             const int64_t* starts) {
+  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
+  const int64_t positions = std::max<int64_t>(1, kTileRows / G);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  struct Item {
+    int64_t b, row, j0, j1, h, work;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j0 = 0; j0 < q_lens[b]; j0 += positions)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t j1 = std::min(q_lens[b], j0 + positions);
+        items.push_back({b, rows[b], j0, j1, h, (starts[b] + j1) * (j1 - j0)});
+      }
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    PromptTile tile;
+    const bool plain = c.kind == KVKind::kPlain;
+    std::vector<float> expanded(plain ? 0 : 2 * kKeyBlock * D);
+    const float* keys[kKeyBlock];
+    const float* values[kKeyBlock];
+    for (int64_t i = next++; i < n; i = next++) {
+      const Item& it = items[i];
+      const int64_t* seq = slots + it.b * L;
+      tile.reset((it.j1 - it.j0) * G, D);
+      for (int64_t r = 0; r < tile.stride; ++r) {
+        const int64_t real = std::min(r, tile.rows - 1), j = it.j0 + real / G, g = real % G;
+        tile.pos[r] = static_cast<int32_t>(starts[it.b] + j);
+        if (r != real) continue;  // padding: zero queries
+        const float* qr = q + (it.row + j) * q_stride + (it.h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) tile.qt[d * tile.stride + r] = qr[d] * scale;
+      }
+      const int64_t last = starts[it.b] + it.j1 - 1;  // the last position any row sees
+      for (int64_t kb = 0; kb <= last; kb += kKeyBlock) {
+        const int64_t nk = std::min(kKeyBlock, last + 1 - kb);
+        for (int64_t j = 0; j < nk; ++j) {
+          float* buf = plain ? nullptr : expanded.data() + 2 * j * D;
+          keys[j] = c.row(0, it.h, seq[kb + j], buf);
+          values[j] = c.row(1, it.h, seq[kb + j], plain ? nullptr : buf + D);
+        }
+        tile.attend(keys, values, kb, nk);
+      }
+      for (int64_t r = 0; r < tile.rows; ++r) {
+        const int64_t t = it.row + it.j0 + r / G, head = it.h * G + r % G;
+        float* o = out + t * H * D + head * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = tile.ot[d * tile.stride + r] / tile.l[r];
+      }
+    }
+  });
+}
+#else
+constexpr bool kPromptAttentionBuilt = false;
+#endif
+
+}  // namespace expresslane
