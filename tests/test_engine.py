@@ -11,6 +11,7 @@ import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import ContextLengthExceeded, InvalidRequestError, ModelLoadError
+from expresslane.kernels import cpu_kernels
 
 from .conftest import random_prompts
 
@@ -71,6 +72,17 @@ def test_bf16_preempted_requests_recompute_the_same_tokens(llama_bf16_dir):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     solo = [solo_llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in outs] == solo
+
+
+def test_batch_invariant_is_kept_or_refused(llama_dir, llama_bf16_dir):
+    """`batch_invariant=True`: bf16 weights with the CPU kernels run every step in the layer
+    stack; float32 weights (oneDNN matmuls, no row kernel) are refused at load, the message
+    naming the plan."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    assert LLM(str(llama_bf16_dir), batch_invariant=True).engine.model.plan.every_step
+    with pytest.raises(InvalidRequestError, match="batch_invariant needs .* linears"):
+        LLM(str(llama_dir), dtype="float32", batch_invariant=True)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

@@ -34,6 +34,19 @@ def test_row_kernels_run_small_decode_steps_only():
     assert "<= 16 tokens" in p.describe()
 
 
+def test_batch_invariant_runs_row_kernels_in_every_step():
+    """Asked for, every step runs the stack (its row kernels take any batch), not oneDNN for
+    large ones; a head outside the stack cannot be made batch-invariant."""
+    p = ExecutionPlan.of(torch.float32, "PlainKV", P.BF16_ROWS, [P.BF16_ROWS] * 8, True, True, True)
+    assert p.every_step and p.batch_invariant and p.uses_stack(4096, decode_only=False)
+    assert "prompt attention tiled" in p.describe()
+    dense_head = ExecutionPlan.of(
+        torch.float32, "PlainKV", P.ONEDNN, [P.FP4_W4A8] * 8, True, batch_invariant=True
+    )
+    assert not dense_head.batch_invariant
+    assert "prompt attention row by row" in dense_head.describe()
+
+
 def test_fp4_layers_with_a_dense_head():
     p = make(P.ONEDNN, P.FP4_W4A8)
     assert not p.every_step and not p.native_head and p.stack_rows == FP4_STACK_ROWS

@@ -84,6 +84,14 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="do not reuse the KV blocks of shared prompt prefixes",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="run every step in row-invariant kernels: a request's greedy tokens never depend "
+        "on what it is batched with (slower prompts where the fast prompt kernels are not "
+        "row-invariant; needs the C++ layer stack)",
+    )
 
 
 def _format_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +140,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "kv_cache_memory_gb",
             "max_num_batched_tokens",
             "enable_prefix_caching",
+            "batch_invariant",
             "quantization",
             "kv_cache_dtype",
         )

@@ -24,6 +24,7 @@ class EngineConfig:
     max_batch: int = 64  # max sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunk size)
     enable_prefix_caching: bool = True
+    batch_invariant: bool = False  # every step in row-invariant kernels (kernels/plan.py)
     seed: int | None = None
     speculative: dict | None = None  # every lane's, unless the lane sets its own
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py

@@ -49,7 +49,14 @@ class LLMEngine:
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cache = CacheConfig(num_blocks, config.block_size, config.kv_cache_dtype)
+        self.model.batch_invariant = config.batch_invariant
         self.runner = ModelRunner(self.model, cache, config.seed)
+        if config.batch_invariant and not self.model.plan.batch_invariant:
+            raise InvalidRequestError(
+                "batch_invariant needs the C++ layer stack with a row kernel for every linear "
+                "(bf16 or FP4 weights on a CPU where the kernels build); this model runs "
+                f"{self.model.plan.describe()}"
+            )
         log.info("execution plan: %s", self.model.plan.describe())
         # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
         # other than larger ones: the step-latency model fits them on a line of their own

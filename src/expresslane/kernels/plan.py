@@ -132,21 +132,27 @@ class ExecutionPlan:
         layers: list[LinearPath],
         stack: bool,
         tiled_prompts: bool = False,
+        batch_invariant: bool = False,
     ) -> ExecutionPlan:
         """The plan of a model whose output head and layer linears take these paths, with or
-        without the C++ layer stack built, its prompt rows in the tiled attention or not."""
+        without the C++ layer stack built, its prompt rows in the tiled attention or not.
+        `batch_invariant` runs every step in the stack even where its linears are slower than
+        oneDNN's for large batches (the bf16 row kernel)."""
         paths = [head, *layers]
         fp4 = LinearPath.FP4_W4A8 in paths or LinearPath.FP4_DEQUANTIZE in paths
         # With linears that are fast and row-invariant at any batch every step runs the
         # stack: then a sequence's greedy tokens do not depend on what it was batched with
-        # (speculation, other requests, prompt chunking, cached prefixes).
+        # (speculation, other requests, prompt chunking, cached prefixes). In the stack every
+        # layer linear runs a row kernel at any batch, so asking for it makes that true too.
+        asked = batch_invariant and head in STACK_PATHS
+        invariant = asked or all(p in ROW_INVARIANT for p in paths)
         return cls(
             compute=str(compute).removeprefix("torch."),
             kv_cache=kv_cache,
             linears=dict(Counter(paths)),
             stack=stack,
             stack_rows=(FP4_STACK_ROWS if fp4 else ROW_KERNEL_ROWS) if stack else 0,
-            every_step=stack and all(p in ROW_INVARIANT for p in paths),
+            every_step=stack and invariant,
             native_head=stack and head in STACK_PATHS,
             tiled_prompts=tiled_prompts,
         )

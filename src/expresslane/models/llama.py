@@ -81,6 +81,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
         self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
+        self.batch_invariant = False  # ask the plan for row-invariant kernels in every step
 
     @property
     def device(self) -> torch.device:
@@ -104,6 +105,7 @@ class LlamaModel(nn.Module):
             [m.path for m in self.layer_linears()],
             self.layer_stack is not None,
             self.layers[0].attn.tiled_prompts(self.dtype),
+            self.batch_invariant,
         )
 
     def layer_linears(self) -> list[nn.Module]:
