@@ -45,17 +45,26 @@ class LayerStack {
   // positions 0..starts[b]+j. Every row goes through the same operations whatever else is in
   // the step (the dot-product linears and the attention are row-invariant), so a sequence's
   // tokens do not depend on the batch it ran in. prompt_ends: [B] positions before
-  // prompt_ends[b] are sequence b's prompt, attended by the tiled kernel (step_attention.h).
+  // prompt_ends[b] are sequence b's prompt, attended by the tiled kernel where
+  // set_prompt_attention asks for it (step_attention.h).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                         torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts,
                         torch::Tensor prompt_ends);
+
+  // Whether prompt rows attend in the tiled kernel (prompt_attention.h; else row by row, the
+  // default), and with bf16 products or float32 ones.
+  void set_prompt_attention(bool tiled, bool bf16) {
+    tiled_prompts_ = tiled;
+    bf16_prompts_ = bf16;
+  }
 
   // The output head for `greedy`: token embeddings [V, hidden], final norm, lm_head linear.
   void set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head, int64_t fp4_block,
                 int64_t fp4_scale_kind);
 
   // Restrict `greedy`'s guesses to the tokens `ids` (int64 [V']): lm_head_rows is the
-  // output head's weight for those rows only, as set_head's lm_head. A draft's head reads
+  // output head's weight for those rows only (any rows past V' are ignored), as set_head's
+  // lm_head. A draft's head reads
   // V' rows instead of the whole vocabulary's; the guesses are the argmax over `ids`.
   void set_greedy_vocab(std::vector<torch::Tensor> lm_head_rows, torch::Tensor ids);
 
@@ -65,19 +74,20 @@ class LayerStack {
 
   // `steps` greedy tokens for each of B sequences without returning to Python (a draft
   // model's proposals). unseen[b]: sequence b's tokens not yet in the cache (at least one; a
-  // few); starts: [B] tokens in the cache; decode_slots: [B*L] slots of positions 0..L-1
+  // few); starts: [B] tokens in the cache; prompt_ends: [B] as forward's; decode_slots: [B*L] slots of positions 0..L-1
   // (L >= starts + unseen + steps - 1); cos/sin_signed: [positions, D] RoPE tables; vocab:
   // logits past it are ignored. Returns [B, steps].
-  torch::Tensor greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor decode_slots, int64_t L,
-                       int64_t steps, torch::Tensor cos, torch::Tensor sin, int64_t vocab);
+  torch::Tensor greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor prompt_ends,
+                       torch::Tensor decode_slots, int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin,
+                       int64_t vocab);
 
  private:
   // tokens [B*Q] (Q per sequence) at positions starts[b].. of each sequence -> the greedy
   // token after each sequence's last, written to out[b * out_stride]. Inputs are gathered
   // with plain loops: as ATen ops (index_select, advanced indexing) they cost more than a
   // draft model's layers.
-  void next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts, const torch::Tensor& slots,
-                   int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab, int64_t* out,
+  void next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
+                   const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab, int64_t* out,
                    int64_t out_stride);
 
   // The final norm, in place on x's rows (contiguous float32 [T, hidden]).
@@ -100,4 +110,5 @@ class LayerStack {
   expresslane::Linear head_;
   expresslane::Linear greedy_head_;  // set_greedy_vocab's rows of head_, and their token ids
   torch::Tensor greedy_ids_;
+  bool tiled_prompts_ = false, bf16_prompts_ = false;
 };

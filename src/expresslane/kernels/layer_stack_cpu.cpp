@@ -98,7 +98,7 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   auto slots_out = slot_mapping.to(torch::kInt64).contiguous();
   auto slots_in = decode_slots.to(torch::kInt64).contiguous();
   auto seq_starts = starts.to(torch::kInt64).contiguous();
-  auto ends = prompt_ends.to(torch::kInt64).contiguous();
+  auto ends = tiled_prompts_ ? prompt_ends.to(torch::kInt64).contiguous() : torch::zeros({B}, torch::kInt64);
   auto h = torch::empty({T, hidden}, x.options());
   auto attn = torch::empty({T, H * D}, x.options());
   auto act = torch::empty({T, F}, x.options());
@@ -113,7 +113,7 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
     write_kv(l.cache, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
     attend_step(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B, lens.data_ptr<int64_t>(), L,
-                slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>());
+                slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), bf16_prompts_);
     ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
     each_row(T, [&](int64_t t) {
       ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
@@ -143,15 +143,17 @@ torch::Tensor LayerStack::logits(torch::Tensor h, c10::optional<torch::Tensor> r
   return head_(final_norm(rows.has_value() ? h.index_select(0, *rows) : h.contiguous()));
 }
 
-torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor decode_slots,
-                                  int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin, int64_t vocab) {
+torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor prompt_ends,
+                                  torch::Tensor decode_slots, int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin,
+                                  int64_t vocab) {
   TORCH_CHECK(embed_.defined(), "set_head first");
   const int64_t B = static_cast<int64_t>(unseen.size());
   auto slots = decode_slots.to(torch::kInt64).contiguous();
   auto pos = starts.to(torch::kInt64).contiguous().clone();
+  auto ends = prompt_ends.to(torch::kInt64).contiguous();
   cos = cos.to(torch::kFloat32).contiguous();
   sin = sin.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(slots.numel() == B * L && pos.numel() == B && cos.size(1) == D, "greedy: shapes");
+  TORCH_CHECK(slots.numel() == B * L && pos.numel() == B && ends.numel() == B && cos.size(1) == D, "greedy: shapes");
   auto out = torch::empty({B, steps}, pos.options());
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* p = pos.data_ptr<int64_t>();
@@ -164,24 +166,24 @@ torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tenso
   // catch up on the unseen tokens; the last one's logits give the first guess
   if (uniform) {
     for (const auto& u : unseen) tokens.insert(tokens.end(), u.data_ptr<int64_t>(), u.data_ptr<int64_t>() + u.numel());
-    next_tokens(tokens.data(), B, unseen[0].numel(), pos, slots, L, cos, sin, vocab, o, steps);
+    next_tokens(tokens.data(), B, unseen[0].numel(), pos, ends, slots, L, cos, sin, vocab, o, steps);
   } else {
     for (int64_t b = 0; b < B; ++b)
-      next_tokens(unseen[b].data_ptr<int64_t>(), 1, unseen[b].numel(), pos.narrow(0, b, 1), slots.narrow(0, b * L, L), L,
-                  cos, sin, vocab, o + b * steps, steps);
+      next_tokens(unseen[b].data_ptr<int64_t>(), 1, unseen[b].numel(), pos.narrow(0, b, 1), ends.narrow(0, b, 1),
+                  slots.narrow(0, b * L, L), L, cos, sin, vocab, o + b * steps, steps);
   }
   for (int64_t b = 0; b < B; ++b) p[b] += unseen[b].numel();
   tokens.resize(B);
   for (int64_t i = 1; i < steps; ++i) {
     for (int64_t b = 0; b < B; ++b) tokens[b] = o[b * steps + i - 1];
-    next_tokens(tokens.data(), B, 1, pos, slots, L, cos, sin, vocab, o + i, steps);
+    next_tokens(tokens.data(), B, 1, pos, ends, slots, L, cos, sin, vocab, o + i, steps);
     for (int64_t b = 0; b < B; ++b) p[b] += 1;
   }
   return out;
 }
 
 void LayerStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
-                              const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin,
                               int64_t vocab, int64_t* out, int64_t out_stride) {
   const int64_t T = B * Q, hidden = embed_.size(1);
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
@@ -198,10 +200,10 @@ void LayerStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const 
       std::memcpy(s.data_ptr<float>() + t * D, sin.data_ptr<float>() + position * D, D * sizeof(float));
       slot_out.data_ptr<int64_t>()[t] = sl[b * L + position];
     }
-  auto h = forward(x, c, s, slot_out, slots, L, torch::full({B}, Q, starts.options()), starts, torch::zeros_like(starts));
+  auto h = forward(x, c, s, slot_out, slots, L, torch::full({B}, Q, starts.options()), starts, prompt_ends);
   auto last = Q == 1 ? h : h.view({B, Q, -1}).select(1, Q - 1).contiguous();
   if (greedy_ids_.defined()) {
-    auto next = argmax_rows(greedy_head_(final_norm(last.contiguous())));
+    auto next = argmax_rows(greedy_head_(final_norm(last.contiguous())).narrow(1, 0, greedy_ids_.numel()));
     const int64_t* ids = greedy_ids_.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) out[b * out_stride] = ids[next.data_ptr<int64_t>()[b]];
     return;
@@ -270,9 +272,10 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
 
 // The tiled prompt attention alone (prompt_attention.h), for chunks the Python layers run: q
 // [T, H, D] float32 after RoPE, sequence b's q_lens[b] rows consecutive; kv/kind a store's
-// native() tensors; slots [B*L]; starts [B]. Returns [T, H*D].
+// native() tensors; slots [B*L]; starts [B]; bf16: bf16 products (AVX-512 BF16 builds).
+// Returns [T, H*D].
 torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor slots,
-                               int64_t L, torch::Tensor q_lens, torch::Tensor starts) {
+                               int64_t L, torch::Tensor q_lens, torch::Tensor starts, bool bf16) {
   TORCH_CHECK(expresslane::kPromptAttentionBuilt, "the tiled prompt attention needs an AVX-512 build");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "q: float32 [T, H, D]");
   q = q.contiguous();
@@ -290,7 +293,8 @@ torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
   std::vector<int64_t> rows(B);
   for (int64_t b = 0, row = 0; b < B; row += lens.data_ptr<int64_t>()[b++]) rows[b] = row;
   expresslane::prompt_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, rows.data(),
-                                lens.data_ptr<int64_t>(), L, at.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>());
+                                lens.data_ptr<int64_t>(), L, at.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(),
+                                bf16);
 #endif
   return out;
 }

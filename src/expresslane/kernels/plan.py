@@ -122,6 +122,7 @@ class ExecutionPlan:
     every_step: bool  # every step runs the stack: all linears row-invariant
     native_head: bool  # the stack also runs the final norm and the head (logits, greedy)
     tiled_prompts: bool = False  # prompt rows attend in the tiled kernel (prompt_attention.h)
+    bf16_prompts: bool = False  # ... with bf16 products (the layers round activations to bf16)
 
     @classmethod
     def of(
@@ -155,6 +156,9 @@ class ExecutionPlan:
             every_step=stack and invariant,
             native_head=stack and head in STACK_PATHS,
             tiled_prompts=tiled_prompts,
+            # the bf16 dot-product linears already round every activation to bf16: the
+            # attention's products of prompt rows may too (~2x the float32 ones)
+            bf16_prompts=tiled_prompts and LinearPath.BF16_DOT in layers,
         )
 
     def uses_stack(self, num_tokens: int, decode_only: bool) -> bool:
@@ -176,6 +180,7 @@ class ExecutionPlan:
             steps = f"decode steps of <= {self.stack_rows} tokens in the C++ layer stack"
         head = ", head in the stack" if self.native_head else ""
         prompts = "tiled" if self.tiled_prompts else "row by row" if self.stack else "SDPA"
+        prompts += " (bf16 products)" if self.bf16_prompts else ""
         return (
             f"{self.compute} compute, {self.kv_cache}; linears: {linears}; {steps}{head}; "
             f"prompt attention {prompts}"

@@ -26,6 +26,8 @@
 #include <numeric>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+
 #include "paged_kv.h"
 
 namespace expresslane {
@@ -110,23 +112,138 @@ inline void weigh_block(const float* p, int64_t stride, const float* const* valu
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(ot + (d0 + i) * stride + 16 * r, acc[i][r]);
 }
 
+#ifdef __AVX512BF16__
+// st[c][rows] = sum over d pairs in order of the bf16 dot products of qt[i][rows] (a row's q
+// values 2i and 2i+1 in one lane) and keys[c]'s pair i, for KC keys and R vectors of 16 rows.
+template <int R, int KC>
+inline void score_keys_bf16(const uint32_t* qt, int64_t stride, int64_t D, const uint32_t* const* keys, float* st) {
+  __m512 acc[KC][R];
+  for (int c = 0; c < KC; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; ++i) {
+    __m512bh qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qt + i * stride + 16 * r);
+    for (int c = 0; c < KC; ++c) {
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(keys[c][i]));
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], qv[r], kv);
+    }
+  }
+  for (int c = 0; c < KC; ++c)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(st + c * stride + 16 * r, acc[c][r]);
+}
+
+template <int R>
+inline void score_block_bf16(const uint32_t* qt, int64_t stride, int64_t D, const uint32_t* const* keys, int64_t nk,
+                             float* st) {
+  constexpr int KC = 6;
+  int64_t c = 0;
+  for (; c + KC <= nk; c += KC) score_keys_bf16<R, KC>(qt, stride, D, keys + c, st + c * stride);
+  switch (nk - c) {
+    case 5: return score_keys_bf16<R, 5>(qt, stride, D, keys + c, st + c * stride);
+    case 4: return score_keys_bf16<R, 4>(qt, stride, D, keys + c, st + c * stride);
+    case 3: return score_keys_bf16<R, 3>(qt, stride, D, keys + c, st + c * stride);
+    case 2: return score_keys_bf16<R, 2>(qt, stride, D, keys + c, st + c * stride);
+    case 1: return score_keys_bf16<R, 1>(qt, stride, D, keys + c, st + c * stride);
+    default: return;
+  }
+}
+
+// weigh_block with bf16 products: p holds a row's probabilities of keys 2m and 2m+1 in one
+// lane, values[m][d] the two keys' value d.
+template <int R>
+inline void weigh_block_bf16(const uint32_t* p, int64_t stride, const uint32_t* values, int64_t pairs, int64_t D,
+                             int64_t d0, const float* alpha, float* ot) {
+  constexpr int DC = 4;
+  __m512 acc[DC][R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_loadu_ps(alpha + 16 * r);
+    for (int i = 0; i < DC; ++i) acc[i][r] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + i) * stride + 16 * r), a);
+  }
+  for (int64_t m = 0; m < pairs; ++m) {
+    __m512bh pv[R];
+    for (int r = 0; r < R; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(p + m * stride + 16 * r);
+    for (int i = 0; i < DC; ++i) {
+      const __m512bh v = (__m512bh)_mm512_set1_epi32(static_cast<int>(values[m * D + d0 + i]));
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], pv[r], v);
+    }
+  }
+  for (int i = 0; i < DC; ++i)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(ot + (d0 + i) * stride + 16 * r, acc[i][r]);
+}
+
+// Lane l of the result: bf16(a[l]) in its lower half, bf16(b[l]) in its upper (to nearest even).
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+constexpr bool kBf16Products = true;
+#else
+constexpr bool kBf16Products = false;
+#endif
+
+// The keys and values one (sequence, kv head) attends to, as the bf16 products read them:
+// keys [n][D] bf16 (a row's values 2i, 2i+1 in one 32-bit pair), values [ceil(n/2)][D]
+// pairs of positions 2m, 2m+1 (the second zero past the end).
+struct Bf16Rows {
+  std::vector<uint16_t> keys;
+  std::vector<uint32_t> values;
+
+  void fill(const PagedKV& c, int64_t h, const int64_t* seq, int64_t n) {
+#ifdef __AVX512BF16__
+    const int64_t D = c.D;
+    keys.resize(n * D);
+    values.resize((n + 1) / 2 * D);
+    std::vector<float> buf(3 * D);
+    std::fill(buf.begin() + 2 * D, buf.end(), 0.0f);  // the value row past the end
+    for (int64_t pos = 0; pos < n; ++pos) {
+      const float* k = c.row(0, h, seq[pos], buf.data());
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys.data() + pos * D + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(k + d)));
+    }
+    for (int64_t m = 0; m < (n + 1) / 2; ++m) {
+      const float* v0 = c.row(1, h, seq[2 * m], buf.data());
+      const float* v1 = 2 * m + 1 < n ? c.row(1, h, seq[2 * m + 1], buf.data() + D) : buf.data() + 2 * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_si512(values.data() + m * D + d, bf16_pairs(_mm512_loadu_ps(v0 + d), _mm512_loadu_ps(v1 + d)));
+    }
+#endif
+  }
+};
+
 // One tile's state: its queries (scaled) and accumulator transposed, rows in lanes.
 struct PromptTile {
   int64_t rows = 0, stride = 0, D = 0;  // real rows, rows padded to 16, head dim
   std::vector<float> qt, ot, s, m, l, alpha;  // [D][stride], [D][stride], [kKeyBlock][stride], 3 x [stride]
+  std::vector<uint32_t> qt16, p16;  // bf16 products: [D/2][stride] query pairs, [kKeyBlock/2][stride]
   std::vector<int32_t> pos;  // [stride] each row's position (padding: the last row's)
 
-  void reset(int64_t n, int64_t head_dim) {
+  void reset(int64_t n, int64_t head_dim, bool bf16) {
     rows = n;
     D = head_dim;
     stride = (n + 15) / 16 * 16;
-    qt.assign(D * stride, 0.0f);
+    qt.assign(bf16 ? 0 : D * stride, 0.0f);
+    qt16.assign(bf16 ? D / 2 * stride : 0, 0u);
+    p16.resize(bf16 ? kKeyBlock / 2 * stride : 0);
     ot.assign(D * stride, 0.0f);
     s.resize(kKeyBlock * stride);
     m.assign(stride, -INFINITY);
     l.assign(stride, 0.0f);
     alpha.resize(stride);
     pos.resize(stride);
+  }
+
+  // Row r's query, times `scale`, into the layout the scores read.
+  void set_query(int64_t r, const float* q, float scale) {
+    if (qt16.empty()) {
+      for (int64_t d = 0; d < D; ++d) qt[d * stride + r] = q[d] * scale;
+      return;
+    }
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const uint32_t lo = c10::BFloat16(q[2 * i] * scale).x, hi = c10::BFloat16(q[2 * i + 1] * scale).x;
+      qt16[i * stride + r] = lo | (hi << 16);
+    }
   }
 
   // The online softmax over keys kb..kb+nk-1 for the rows of vector v: masks the keys past each
@@ -169,29 +286,72 @@ struct PromptTile {
       if (r0 < stride) weigh_block<1>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
     }
   }
+
+  // attend, with bf16 products: the keys and values of positions kb..kb+nk-1 of `rows`.
+  void attend_bf16(const Bf16Rows& kv, int64_t kb, int64_t nk) {
+#ifdef __AVX512BF16__
+    const uint32_t* keys[kKeyBlock];
+    for (int64_t j = 0; j < nk; ++j) keys[j] = reinterpret_cast<const uint32_t*>(kv.keys.data() + (kb + j) * D);
+    int64_t r0 = 0;
+    for (; r0 + 32 <= stride; r0 += 32) score_block_bf16<2>(qt16.data() + r0, stride, D, keys, nk, s.data() + r0);
+    if (r0 < stride) score_block_bf16<1>(qt16.data() + r0, stride, D, keys, nk, s.data() + r0);
+    for (int64_t v = 0; v < stride / 16; ++v) softmax_block(v, kb, nk);
+    const int64_t pairs = (nk + 1) / 2;
+    for (int64_t i = 0; i < pairs; ++i)  // a last odd key pairs with a zero probability
+      for (int64_t o = 0; o < stride; o += 16) {
+        const __m512 p1 = 2 * i + 1 < nk ? _mm512_loadu_ps(s.data() + (2 * i + 1) * stride + o) : _mm512_setzero_ps();
+        _mm512_storeu_si512(p16.data() + i * stride + o, bf16_pairs(_mm512_loadu_ps(s.data() + 2 * i * stride + o), p1));
+      }
+    const uint32_t* values = kv.values.data() + kb / 2 * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 4) {
+      for (r0 = 0; r0 + 32 <= stride; r0 += 32)
+        weigh_block_bf16<2>(p16.data() + r0, stride, values, pairs, D, d0, alpha.data() + r0, ot.data() + r0);
+      if (r0 < stride)
+        weigh_block_bf16<1>(p16.data() + r0, stride, values, pairs, D, d0, alpha.data() + r0, ot.data() + r0);
+    }
+#endif
+  }
 };
 
-// Attention for B prompt chunks (paged_attention's arguments: sequence b's q_lens[b] rows
-// from rows[b] on, q rows `q_stride` floats apart, out [T, H*D], slots [B*L], its query j at
-// position starts[b]+j). Work items run heaviest first, each thread taking the next one free (the
-// tiles of a causal prompt differ in work up to the prompt's length).
-inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
-                             const int64_t* rows, const int64_t* q_lens, int64_t L, const int64_t* slots,
-                             const int64_t* starts) {
-  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
+struct PromptItem {
+  int64_t b, row, j0, j1, h, work;  // sequence, its first row, positions j0..j1-1, kv head
+};
+
+// The work items of B sequences, heaviest first: tiles of up to kTileRows rows per kv head.
+inline std::vector<PromptItem> prompt_items(int64_t B, int64_t Hkv, int64_t G, const int64_t* rows,
+                                            const int64_t* q_lens, const int64_t* starts) {
   const int64_t positions = std::max<int64_t>(1, kTileRows / G);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  struct Item {
-    int64_t b, row, j0, j1, h, work;
-  };
-  std::vector<Item> items;
+  std::vector<PromptItem> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j0 = 0; j0 < q_lens[b]; j0 += positions)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t j1 = std::min(q_lens[b], j0 + positions);
         items.push_back({b, rows[b], j0, j1, h, (starts[b] + j1) * (j1 - j0)});
       }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
+  std::sort(items.begin(), items.end(), [](const PromptItem& a, const PromptItem& b) { return a.work > b.work; });
+  return items;
+}
+
+// Attention for B prompt chunks (paged_attention's arguments: sequence b's q_lens[b] rows
+// from rows[b] on, q rows `q_stride` floats apart, out [T, H*D], slots [B*L], its query j at
+// position starts[b]+j); `bf16`: the products of bf16-rounded queries, keys, probabilities
+// and values, summed in float32 (where kBf16Products). Work items run heaviest first, each
+// thread taking the next one free (the tiles of a causal prompt differ in work up to the
+// prompt's length).
+inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
+                             const int64_t* rows, const int64_t* q_lens, int64_t L, const int64_t* slots,
+                             const int64_t* starts, bool bf16) {
+  const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
+  bf16 = bf16 && kBf16Products;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const std::vector<PromptItem> items = prompt_items(B, Hkv, G, rows, q_lens, starts);
+  std::vector<Bf16Rows> prepared(bf16 ? B * Hkv : 0);
+  at::parallel_for(0, static_cast<int64_t>(prepared.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hkv;
+      if (q_lens[b] > 0) prepared[p].fill(c, p % Hkv, slots + b * L, starts[b] + q_lens[b]);
+    }
+  });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -201,19 +361,21 @@ inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_
     const float* keys[kKeyBlock];
     const float* values[kKeyBlock];
     for (int64_t i = next++; i < n; i = next++) {
-      const Item& it = items[i];
+      const PromptItem& it = items[i];
       const int64_t* seq = slots + it.b * L;
-      tile.reset((it.j1 - it.j0) * G, D);
+      tile.reset((it.j1 - it.j0) * G, D, bf16);
       for (int64_t r = 0; r < tile.stride; ++r) {
         const int64_t real = std::min(r, tile.rows - 1), j = it.j0 + real / G, g = real % G;
         tile.pos[r] = static_cast<int32_t>(starts[it.b] + j);
-        if (r != real) continue;  // padding: zero queries
-        const float* qr = q + (it.row + j) * q_stride + (it.h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) tile.qt[d * tile.stride + r] = qr[d] * scale;
+        if (r == real) tile.set_query(r, q + (it.row + j) * q_stride + (it.h * G + g) * D, scale);
       }
       const int64_t last = starts[it.b] + it.j1 - 1;  // the last position any row sees
       for (int64_t kb = 0; kb <= last; kb += kKeyBlock) {
         const int64_t nk = std::min(kKeyBlock, last + 1 - kb);
+        if (bf16) {
+          tile.attend_bf16(prepared[it.b * Hkv + it.h], kb, nk);
+          continue;
+        }
         for (int64_t j = 0; j < nk; ++j) {
           float* buf = plain ? nullptr : expanded.data() + 2 * j * D;
           keys[j] = c.row(0, it.h, seq[kb + j], buf);
@@ -222,8 +384,7 @@ inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_
         tile.attend(keys, values, kb, nk);
       }
       for (int64_t r = 0; r < tile.rows; ++r) {
-        const int64_t t = it.row + it.j0 + r / G, head = it.h * G + r % G;
-        float* o = out + t * H * D + head * D;
+        float* o = out + (it.row + it.j0 + r / G) * H * D + (it.h * G + r % G) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = tile.ot[d * tile.stride + r] / tile.l[r];
       }
     }

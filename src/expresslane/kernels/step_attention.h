@@ -14,10 +14,11 @@
 namespace expresslane {
 
 // paged_attention's arguments (sequence b's q_lens[b] rows consecutive, the first sequence's
-// first) plus prompt_ends [B]: positions before prompt_ends[b] are sequence b's prompt.
+// first) plus prompt_ends [B]: positions before prompt_ends[b] are sequence b's prompt, and
+// bf16_prompts: their attention takes bf16 products (prompt_attention).
 inline void attend_step(const PagedKV& c, int64_t H, const float* q, int64_t q_stride, float* out, int64_t B,
                         const int64_t* q_lens, int64_t L, const int64_t* slots, const int64_t* starts,
-                        const int64_t* prompt_ends) {
+                        const int64_t* prompt_ends, bool bf16_prompts) {
   std::vector<int64_t> rows(B), lens(B), from(B), prompt_rows(B), prompt_lens(B);
   bool prompts = false;
   for (int64_t b = 0, row = 0; b < B; row += q_lens[b++]) {
@@ -32,7 +33,8 @@ inline void attend_step(const PagedKV& c, int64_t H, const float* q, int64_t q_s
   paged_attention(c, H, q, q_stride, out, B, rows.data(), lens.data(), L, slots, from.data());
 #ifdef __AVX512F__
   if (prompts)
-    prompt_attention(c, H, q, q_stride, out, B, prompt_rows.data(), prompt_lens.data(), L, slots, starts);
+    prompt_attention(c, H, q, q_stride, out, B, prompt_rows.data(), prompt_lens.data(), L, slots, starts,
+                     bf16_prompts);
 #endif
 }
 

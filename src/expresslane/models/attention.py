@@ -120,6 +120,7 @@ class PagedAttention(torch.nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.kv = None  # a store from models/kv_store.py, bound by the runner
+        self.bf16_prompts = False  # the tiled kernel's products in bf16 (the model's plan)
 
     def tiled_prompts(self, dtype: torch.dtype) -> bool:
         """Whether prompt rows take the tiled kernel with this KV store and compute dtype."""
@@ -158,14 +159,18 @@ class PagedAttention(torch.nn.Module):
         kv, kind = self.kv.native(), self.kv.NATIVE_KIND
         if split == n:
             lens, starts = torch.tensor([n]), torch.tensor([start])
-            return kernels.prompt_attention(q, kv, kind, slots, ctx, lens, starts)
+            return kernels.prompt_attention(
+                q, kv, kind, slots, ctx, lens, starts, self.bf16_prompts
+            )
         rest = kernels.decode_attention(
             q[split:], kv, kind, slots, ctx, n - split, torch.tensor([start + split])
         )
         if split == 0:
             return rest
         lens, starts = torch.tensor([split]), torch.tensor([start])
-        head = kernels.prompt_attention(q[:split], kv, kind, slots, ctx, lens, starts)
+        head = kernels.prompt_attention(
+            q[:split], kv, kind, slots, ctx, lens, starts, self.bf16_prompts
+        )
         return torch.cat([head, rest])
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -107,6 +107,10 @@ class LlamaModel(nn.Module):
             self.layers[0].attn.tiled_prompts(self.dtype),
             self.batch_invariant,
         )
+        for layer in self.layers:
+            layer.attn.bf16_prompts = self.plan.bf16_prompts
+        if self.layer_stack is not None:
+            self.layer_stack.set_prompt_attention(self.plan.tiled_prompts, self.plan.bf16_prompts)
 
     def layer_linears(self) -> list[nn.Module]:
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -141,19 +145,32 @@ class LlamaModel(nn.Module):
         self, head_rows: torch.Tensor, ids: torch.Tensor, compute_dtype: torch.dtype
     ) -> None:
         """`greedy` picks among the tokens `ids` only (sorted), scoring them with
-        `head_rows`, the output head's weight rows for those tokens. Needs `plan.native_head`."""
+        `head_rows`, the output head's weight rows for those tokens. Needs `plan.native_head`.
+        The rows are padded to a multiple of 16 (ignored by the argmax) so that they take the
+        output head's own kernel: each token's logit is then the one the whole head gives."""
+        pad = -head_rows.shape[0] % 16
+        head_rows = torch.cat([head_rows, head_rows.new_zeros(pad, head_rows.shape[1])])
         head = make_linear(head_rows)
         head.prepare_cpu(compute_dtype)
         self.layer_stack.set_greedy_vocab(head.kernel_weights(), ids)
 
     @torch.inference_mode()
-    def greedy(self, unseen: list[list[int]], starts: list[int], slots: torch.Tensor, steps: int):
+    def greedy(
+        self,
+        unseen: list[list[int]],
+        starts: list[int],
+        prompt_ends: list[int],
+        slots: torch.Tensor,
+        steps: int,
+    ):
         """`steps` greedy tokens per sequence in one native call (a draft model's proposals).
-        unseen[i]: the tokens of sequence i past its starts[i] cached ones; slots: [B, L] of
-        positions 0..L-1, L >= max(starts + len(unseen)) + steps - 1. Needs `plan.native_head`."""
+        unseen[i]: the tokens of sequence i past its starts[i] cached ones; prompt_ends[i]: its
+        prompt's length; slots: [B, L] of positions 0..L-1, L >= max(starts + len(unseen)) +
+        steps - 1. Needs `plan.native_head`."""
         return self.layer_stack.greedy(
             [torch.tensor(u) for u in unseen],
             torch.tensor(starts),
+            torch.tensor(prompt_ends),
             slots.reshape(-1),
             slots.shape[1],
             steps,

@@ -163,6 +163,7 @@ class DraftModelProposer:
         tokens = self.model.greedy(
             [s.token_ids[s.num_computed_tokens :] for s in shadows],
             starts,
+            [s.num_prompt_tokens for s in shadows],
             torch.from_numpy(slots),
             steps,
         )
