@@ -399,7 +399,31 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
 
 
 @needs_kernels
-@pytest.mark.parametrize("store_name", ["PlainKV", "Fp8KV", "Fp4KV"])
+@pytest.mark.parametrize("d", [32, 64, 128, 48])
+def test_bf16_rows_attend_exactly_as_their_float32_values(d):
+    """A bf16 cache is read where it lies (widened in registers; head sizes without such a
+    kernel are widened into a buffer first): every output bit for bit what the float32 cache
+    of the same values gives."""
+    from expresslane.models.kv_store import Bf16KV
+
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, n, q_len = 6, 2, 400, 3
+    store = Bf16KV(kv_heads, n, d, torch.float32, "cpu")
+    store.write(*(torch.randn(n, kv_heads, d, generator=g) for _ in range(2)), torch.arange(n))
+    plain = store.tensor.float()
+    slots = torch.randperm(n, generator=g)[:300]
+    q = torch.randn(2 * q_len, heads, d, generator=g)
+    starts = torch.tensor([120, 297])
+    slots = torch.cat([slots, slots.flip(0)])
+    args = (slots, 300, q_len, starts)
+    widened = kernels.decode_attention(q, [plain], 0, *args)
+    assert torch.equal(
+        kernels.decode_attention(q, store.native(), store.NATIVE_KIND, *args), widened
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("store_name", ["PlainKV", "Bf16KV", "Fp8KV", "Fp4KV"])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_decode_attention_matches_the_torch_path(store_name, q_len):
     """The C++ decode attention the Python layers use for batches past the native step's

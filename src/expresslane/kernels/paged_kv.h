@@ -105,6 +105,11 @@ struct PagedKV {
     return buf;
   }
 
+  // Row `slot` of kv head h of K (which 0) or V (which 1) of a bf16 cache, where it lies.
+  const uint16_t* bf16_row(int64_t which, int64_t h, int64_t slot) const {
+    return reinterpret_cast<const uint16_t*>(values) + ((which * Hkv + h) * S + slot) * D;
+  }
+
   // Stores the D floats at src as row `slot` of kv head h of K (which 0) or V (which 1),
   // encoded as the store's write encodes it. Writes the cache's tensors, not this struct.
   void write_row(int64_t which, int64_t h, int64_t slot, const float* src) const {
