@@ -139,9 +139,9 @@ class PagedAttention(torch.nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if n_dec:
             out[:n_dec] = self._decode(q[:n_dec], meta)
+        kernels = native_prompt_attention(q, self.kv.native())
         for chunk in meta.prefills:
             s, e = chunk.start, chunk.start + chunk.length
-            kernels = native_prompt_attention(q, self.kv.native())
             if kernels is not None:
                 slots = meta.slot_mapping[s:e] if chunk.slots is None else chunk.slots
                 out[s:e] = self._prefill_native(kernels, q[s:e], slots, chunk)
