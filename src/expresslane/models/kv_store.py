@@ -6,8 +6,8 @@ slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute 
 
 - `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
 - `Bf16KV` (`"bfloat16"`): bf16 rows under a float32 compute dtype: half the memory per token
-  (the C++ step widens each row it reads; at a 4k context a decode step is ~0.9x as fast as
-  over float32 rows on a CPU, BENCHMARKS.md).
+  and half the bytes a decode reads (the C++ attention widens rows in registers as it reads
+  them; at a 4k context a decode step is 1.39x as fast as over float32 rows, BENCHMARKS.md).
 - `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
   (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (48% less at D = 64).
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
