@@ -64,8 +64,8 @@ class LayerStack {
 
   // Restrict `greedy`'s guesses to the tokens `ids` (int64 [V']): lm_head_rows is the
   // output head's weight for those rows only (any rows past V' are ignored), as set_head's
-  // lm_head. A draft's head reads
-  // V' rows instead of the whole vocabulary's; the guesses are the argmax over `ids`.
+  // lm_head. A draft's head reads V' rows instead of the whole vocabulary's; the guesses are
+  // the argmax over `ids`.
   void set_greedy_vocab(std::vector<torch::Tensor> lm_head_rows, torch::Tensor ids);
 
   // Logits of rows `rows` of the last layer's output h (all rows if none): final norm and
@@ -74,9 +74,9 @@ class LayerStack {
 
   // `steps` greedy tokens for each of B sequences without returning to Python (a draft
   // model's proposals). unseen[b]: sequence b's tokens not yet in the cache (at least one; a
-  // few); starts: [B] tokens in the cache; prompt_ends: [B] as forward's; decode_slots: [B*L] slots of positions 0..L-1
-  // (L >= starts + unseen + steps - 1); cos/sin_signed: [positions, D] RoPE tables; vocab:
-  // logits past it are ignored. Returns [B, steps].
+  // few); starts: [B] tokens in the cache; prompt_ends: [B] as forward's; decode_slots: [B*L]
+  // slots of positions 0..L-1 (L >= starts + unseen + steps - 1); cos/sin_signed: [positions,
+  // D] RoPE tables; vocab: logits past it are ignored. Returns [B, steps].
   torch::Tensor greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor prompt_ends,
                        torch::Tensor decode_slots, int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin,
                        int64_t vocab);
@@ -87,8 +87,8 @@ class LayerStack {
   // with plain loops: as ATen ops (index_select, advanced indexing) they cost more than a
   // draft model's layers.
   void next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
-                   const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab, int64_t* out,
-                   int64_t out_stride);
+                   const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L, const torch::Tensor& cos,
+                   const torch::Tensor& sin, int64_t vocab, int64_t* out, int64_t out_stride);
 
   // The final norm, in place on x's rows (contiguous float32 [T, hidden]).
   torch::Tensor final_norm(torch::Tensor x) const;

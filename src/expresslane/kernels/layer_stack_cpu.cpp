@@ -98,6 +98,7 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   auto slots_out = slot_mapping.to(torch::kInt64).contiguous();
   auto slots_in = decode_slots.to(torch::kInt64).contiguous();
   auto seq_starts = starts.to(torch::kInt64).contiguous();
+  // positions before these take the tiled prompt kernel (none unless set_prompt_attention)
   auto ends = tiled_prompts_ ? prompt_ends.to(torch::kInt64).contiguous() : torch::zeros({B}, torch::kInt64);
   auto h = torch::empty({T, hidden}, x.options());
   auto attn = torch::empty({T, H * D}, x.options());
@@ -144,8 +145,8 @@ torch::Tensor LayerStack::logits(torch::Tensor h, c10::optional<torch::Tensor> r
 }
 
 torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tensor starts, torch::Tensor prompt_ends,
-                                  torch::Tensor decode_slots, int64_t L, int64_t steps, torch::Tensor cos, torch::Tensor sin,
-                                  int64_t vocab) {
+                                  torch::Tensor decode_slots, int64_t L, int64_t steps, torch::Tensor cos,
+                                  torch::Tensor sin, int64_t vocab) {
   TORCH_CHECK(embed_.defined(), "set_head first");
   const int64_t B = static_cast<int64_t>(unseen.size());
   auto slots = decode_slots.to(torch::kInt64).contiguous();
@@ -183,8 +184,9 @@ torch::Tensor LayerStack::greedy(std::vector<torch::Tensor> unseen, torch::Tenso
 }
 
 void LayerStack::next_tokens(const int64_t* tokens, int64_t B, int64_t Q, const torch::Tensor& starts,
-                              const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L, const torch::Tensor& cos, const torch::Tensor& sin,
-                              int64_t vocab, int64_t* out, int64_t out_stride) {
+                              const torch::Tensor& prompt_ends, const torch::Tensor& slots, int64_t L,
+                              const torch::Tensor& cos, const torch::Tensor& sin, int64_t vocab, int64_t* out,
+                              int64_t out_stride) {
   const int64_t T = B * Q, hidden = embed_.size(1);
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   auto x = torch::empty({T, hidden}, f32);

@@ -234,7 +234,8 @@ inline void attend_rows(const float* const* queries, const T* const* keys, const
                         float scale) {
   for (int64_t r = 0; r < rows; r += 2) {
     if (r + 1 < rows)
-      score_pair_any(queries[r], queries[r + 1], keys, seen_by[r], seen_by[r + 1], D, scale, weights[r], weights[r + 1]);
+      score_pair_any(queries[r], queries[r + 1], keys, seen_by[r], seen_by[r + 1], D, scale, weights[r],
+                     weights[r + 1]);
     else
       score_rows_any(queries[r], keys, seen_by[r], D, scale, weights[r]);
   }

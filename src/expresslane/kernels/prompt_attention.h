@@ -143,7 +143,7 @@ struct PromptTile {
     }
   }
 
-  // attend, with bf16 products: the keys and values of positions kb..kb+nk-1 of `rows`.
+  // attend, with bf16 products: the keys and values of positions kb..kb+nk-1 of `kv`.
   void attend_bf16(const Bf16Rows& kv, int64_t kb, int64_t nk) {
 #ifdef __AVX512BF16__
     const uint32_t* keys[kKeyBlock];
@@ -156,7 +156,8 @@ struct PromptTile {
     for (int64_t i = 0; i < pairs; ++i)  // a last odd key pairs with a zero probability
       for (int64_t o = 0; o < stride; o += 16) {
         const __m512 p1 = 2 * i + 1 < nk ? _mm512_loadu_ps(s.data() + (2 * i + 1) * stride + o) : _mm512_setzero_ps();
-        _mm512_storeu_si512(p16.data() + i * stride + o, bf16_pairs(_mm512_loadu_ps(s.data() + 2 * i * stride + o), p1));
+        const __m512 p0 = _mm512_loadu_ps(s.data() + 2 * i * stride + o);
+        _mm512_storeu_si512(p16.data() + i * stride + o, bf16_pairs(p0, p1));
       }
     const uint32_t* values = kv.values.data() + kb / 2 * D;
     for (int64_t d0 = 0; d0 < D; d0 += 4) {
