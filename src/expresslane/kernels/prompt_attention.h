@@ -147,24 +147,24 @@ struct PromptTile {
   void attend_bf16(const Bf16Rows& kv, int64_t kb, int64_t nk) {
 #ifdef __AVX512BF16__
     const uint32_t* keys[kKeyBlock];
+    const uint32_t* values[kKeyBlock / 2];
     for (int64_t j = 0; j < nk; ++j) keys[j] = reinterpret_cast<const uint32_t*>(kv.keys.data() + (kb + j) * D);
-    int64_t r0 = 0;
-    for (; r0 + 32 <= stride; r0 += 32) score_block_bf16<2>(qt16.data() + r0, stride, D, keys, nk, s.data() + r0);
-    if (r0 < stride) score_block_bf16<1>(qt16.data() + r0, stride, D, keys, nk, s.data() + r0);
-    for (int64_t v = 0; v < stride / 16; ++v) softmax_block(v, kb, nk);
     const int64_t pairs = (nk + 1) / 2;
+    for (int64_t m = 0; m < pairs; ++m) values[m] = kv.values.data() + (kb / 2 + m) * D;
+    int64_t r0 = 0;
+    for (; r0 + 32 <= stride; r0 += 32) score_block<2>(qt16.data() + r0, stride, D / 2, keys, nk, s.data() + r0);
+    if (r0 < stride) score_block<1>(qt16.data() + r0, stride, D / 2, keys, nk, s.data() + r0);
+    for (int64_t v = 0; v < stride / 16; ++v) softmax_block(v, kb, nk);
     for (int64_t i = 0; i < pairs; ++i)  // a last odd key pairs with a zero probability
       for (int64_t o = 0; o < stride; o += 16) {
         const __m512 p1 = 2 * i + 1 < nk ? _mm512_loadu_ps(s.data() + (2 * i + 1) * stride + o) : _mm512_setzero_ps();
         const __m512 p0 = _mm512_loadu_ps(s.data() + 2 * i * stride + o);
         _mm512_storeu_si512(p16.data() + i * stride + o, bf16_pairs(p0, p1));
       }
-    const uint32_t* values = kv.values.data() + kb / 2 * D;
     for (int64_t d0 = 0; d0 < D; d0 += 4) {
       for (r0 = 0; r0 + 32 <= stride; r0 += 32)
-        weigh_block_bf16<2>(p16.data() + r0, stride, values, pairs, D, d0, alpha.data() + r0, ot.data() + r0);
-      if (r0 < stride)
-        weigh_block_bf16<1>(p16.data() + r0, stride, values, pairs, D, d0, alpha.data() + r0, ot.data() + r0);
+        weigh_block<2>(p16.data() + r0, stride, values, pairs, d0, alpha.data() + r0, ot.data() + r0);
+      if (r0 < stride) weigh_block<1>(p16.data() + r0, stride, values, pairs, d0, alpha.data() + r0, ot.data() + r0);
     }
 #endif
   }
