@@ -202,9 +202,11 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     # "auto": the lane keeps 95% of its solo speed, reported as that share of one decode alone
     assert engine.scheduler.solo_fractions == {"ultrafast": 0.95}
     assert "ultrafast" not in engine.scheduler.targets
-    # ... measured: the median of the calibration's decodes alone (three rounds of three)
-    assert len(engine.step_model.solo_steps) >= 9
-    solo_speed = 1 / float(np.median(engine.step_model.solo_steps))
+    # ... measured: the faster quarter of the calibration's decodes alone (three rounds of
+    # 15, and the last steps of larger batches whose prompts were chunked; the warm-up
+    # sweep's are not kept)
+    assert 3 * 15 <= len(engine.step_model.solo_steps) < 4 * 15
+    solo_speed = 1 / float(np.percentile(engine.step_model.solo_steps, 25))
     assert lane_targets(engine) == {"ultrafast": pytest.approx(0.95 * solo_speed)}
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -18,6 +18,9 @@ log = logging.getLogger("expresslane.engine")
 # The sweep of batch sizes runs this many times; the step model is fitted to each step
 # shape's median time, so a burst of load on the machine during startup moves it little.
 CALIBRATION_ROUNDS = 3
+# A request alone decodes this many tokens per round: the solo speed "auto" targets follow
+# comes from these steps' times (`StepLatencyModel.solo_step`).
+SOLO_TOKENS = 16
 
 
 def calibrate(engine: LLMEngine) -> None:
@@ -28,14 +31,23 @@ def calibrate(engine: LLMEngine) -> None:
     vocab = engine.model_config.vocab_size
     largest = max(la.max_batch for la in engine.lanes.values() if la.enabled)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(largest, engine.config.max_batch)]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt_len = max(1, min(32, (engine.max_model_len - 8) // 4))  # prompts of 1-4x this
-    runs = [1, *sizes * CALIBRATION_ROUNDS]  # the first run warms up and is not kept
+    # The first sweep warms up (the first steps of a process run slower: 20% for a decode
+    # alone on the demo model) and is not kept.
+    runs = sizes * (1 + CALIBRATION_ROUNDS)
     try:
         for i, b in enumerate(runs):
-            if engine.kv.blocks_needed(prompt_len * 4 + 8) * b > engine.kv.num_free_blocks:
+            if (
+                engine.kv.blocks_needed(prompt_len * 4 + SOLO_TOKENS) * b
+                > engine.kv.num_free_blocks
+            ):
                 continue
-            engine._calibrating = i > 0
+            if i == len(sizes):
+                engine.step_model.forget_live()  # the warm-up's steps
+            engine._calibrating = i >= len(sizes)
+            params = SamplingParams(
+                max_tokens=SOLO_TOKENS if b == 1 else 4, temperature=0.0, ignore_eos=True
+            )
             for j in range(b):
                 n = prompt_len * (1 + j % 4)
                 prompt = torch.randint(1, vocab, (n,), generator=rng).tolist()
@@ -65,8 +77,8 @@ def resolve_targets(engine: LLMEngine) -> None:
 
 
 def solo_tokens_per_s(engine: LLMEngine) -> float:
-    """The speed of one request decoding alone, without guesses: the median of the measured
-    decodes alone (calibration's, then the latest live ones), else the model's prediction."""
+    """The speed of one request decoding alone, without guesses: from the measured decodes
+    alone (calibration's, then the latest live ones), else the model's prediction."""
     model = engine.step_model
     seconds = model.solo_step() or model.predict(1, 1, 256)
     return 1 / max(seconds, 1e-4)

@@ -283,6 +283,7 @@ class LLMEngine:
     ) -> None:
         """What the step cost: for the step-latency model and speculation's payoff."""
         self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
+        self.scheduler.credit.settle(seconds)
         if self.proposers:
             self.spec_payoff.record_step(
                 guesses, len(batch.items), batch.num_tokens, seconds, emitted

@@ -10,11 +10,10 @@ the step time that keeps it at its target, as predicted by the step-latency mode
 their requests keep their KV and skip the step (round robin makes them take turns). A target is
 either relative (`solo_fractions`: the lane's requests keep this fraction of the speed they get
 alone, so the lower lanes may add up to 1/fraction - 1 of the step time the lane takes itself,
-on average: what a step leaves unused is saved up, up to one step's time, so a row that costs
-more than one step's share still runs every few steps) or absolute (`targets`, tokens/s per
-request). Under an absolute target the lower lanes always get at least `LOWER_LANE_SHARE` of the
-step time the targeted lanes take themselves. Either way a busy ultrafast lane slows the others
-but never stops them.
+on average, measured as well as predicted: engine/step_credit.py) or absolute (`targets`,
+tokens/s per request). Under an absolute target the lower lanes always get at least
+`LOWER_LANE_SHARE` of the step time the targeted lanes take themselves. Either way a busy
+ultrafast lane slows the others but never stops them.
 
 When blocks run out, the lowest-ranked, most recent running request is preempted: its blocks are
 released and it is recomputed later, prompt and output so far (its cached prefix blocks often
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from expresslane.config import EngineConfig
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request, Status
+from expresslane.engine.step_credit import StepCredit
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.lanes import Lane, build_lanes
 
@@ -75,10 +75,9 @@ class Scheduler:
         self.targets: dict[str, float] = {}
         # Lanes held at a fraction of their solo speed (`set_solo_fraction`).
         self.solo_fractions: dict[str, float] = {}
-        # Step time the lower lanes saved up under a relative target, and this step's
-        # targeted time it is measured against (None: no relative target this step).
-        self._credit = 0.0
-        self._credit_base: float | None = None
+        # Step time the lower lanes saved up under a relative target (engine/step_credit.py)
+        self.credit = StepCredit()
+        self._targeted_rows = 0  # rows scheduled when the lower lanes' cap was set
         # mean tokens a request gains per step, per speculating lane (`observe_tokens_per_step`)
         self.tokens_per_step: dict[str, float] = {}
         self.waiting: list[Request] = []  # sorted by (lane rank, arrival)
@@ -161,8 +160,9 @@ class Scheduler:
         batch = ScheduledBatch()
         self._make_room_for_waiting(batch)
         limit = self.step_time_limit()
-        scheduled: set[int] = set()
-        order = sorted(self.running, key=self._running_order)
+        by_lane: dict[str, list[Request]] = {}
+        for req in self.running:
+            by_lane.setdefault(req.lane, []).append(req)
         out_of_blocks = admission_closed = False
         lower_cap: float | None = None  # set once the targeted lanes are scheduled
         for lane in self.lane_order:
@@ -172,36 +172,47 @@ class Scheduler:
                 if lower_cap is None:
                     lower_cap = self._lower_lane_cap(batch, limit)
                 cap = lower_cap
-            for req in order:
-                if req.lane != lane or req.status is not Status.RUNNING:
-                    continue  # another lane, or preempted earlier in this step
-                budget = self.max_num_batched_tokens - batch.num_tokens
-                if budget <= 0:
-                    break
-                todo = req.num_tokens - req.num_computed_tokens
-                n = min(todo + len(req.spec.guesses), budget)
-                if cap is not None:
-                    n = self._fit(batch, req, n, cap)
-                    if n == 0:
-                        continue  # capped this step; it keeps its blocks and its turn
-                req.spec.keep_guesses(max(0, n - todo))  # guesses beyond the budget are dropped
-                while not self.kv.allocate(req, req.num_computed_tokens + n):
-                    out_of_blocks = True
-                    victim = self._pick_victim(order, scheduled)
-                    self._preempt(victim)
-                    batch.preempted.append(victim)
-                    if victim is req:
-                        break
-                if req.status is Status.RUNNING:
-                    batch.add(req, n)
-                    req.turn = next(self._turns)
-                    scheduled.add(id(req))
+            running = by_lane.get(lane, [])
+            if cap is not None and self._fit(batch, None, 1, cap) == 0:
+                continue  # not even one token fits: the lane waits, without being looked at
+            out_of_blocks |= self._schedule_running(batch, sorted(running, key=self._turn), cap)
             # A lane's new requests come before the next lane's running ones, and never
             # jump ahead of a better lane that could not admit its own.
             if not (out_of_blocks or admission_closed):
-                admission_closed = self._admit(batch, lane, cap)
-        self._settle_credit(batch)
+                admission_closed = self._admit(batch, lane, len(running), cap)
+        seconds = self.step_model.predict(len(batch.items), batch.num_tokens, batch.context_tokens)
+        self.credit.close(seconds, len(batch.items) > self._targeted_rows)
         return batch
+
+    def _schedule_running(
+        self, batch: ScheduledBatch, order: list[Request], cap: float | None
+    ) -> bool:
+        """Schedule one lane's running requests in turn order; True if blocks ran out."""
+        out_of_blocks = False
+        for req in order:
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            if budget <= 0:
+                break
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo + len(req.spec.guesses), budget)
+            if cap is not None:
+                n = self._fit(batch, req, n, cap)
+                if n == 0:  # capped this step: it and the lane's later ones keep their
+                    break  # blocks and turns (no per-request work while capped)
+            req.spec.keep_guesses(max(0, n - todo))  # guesses beyond the budget are dropped
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                out_of_blocks = True
+                victim = self._pick_victim(batch)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                batch.add(req, n)
+                req.turn = next(self._turns)
+        return out_of_blocks
 
     def _lower_lane_cap(self, batch: ScheduledBatch, limit: float | None) -> float | None:
         """The step time a lane without a target may fill, given what the targeted lanes
@@ -215,31 +226,22 @@ class Scheduler:
             self.solo_fractions[r.lane] for r, _ in batch.items if r.lane in self.solo_fractions
         ]
         if fractions:
-            share = so_far * (1 / min(fractions) - 1)
-            self._credit = min(self._credit + share, so_far)
-            self._credit_base = so_far
-            caps.append(so_far + self._credit)
+            self._targeted_rows = len(batch.items)
+            caps.append(self.credit.open(so_far, min(fractions)))
         return min(caps, default=None)
 
-    def _settle_credit(self, batch: ScheduledBatch) -> None:
-        """Spend what the lower lanes took of the saved-up step time; none is kept over a
-        step without a relative target."""
-        if self._credit_base is None:
-            self._credit = 0.0
-            return
-        took = self.step_model.predict(len(batch.items), batch.num_tokens, batch.context_tokens)
-        self._credit = max(0.0, self._credit - (took - self._credit_base))
-        self._credit_base = None
-
-    def _fit(self, batch: ScheduledBatch, req: Request, n: int, limit: float) -> int:
-        """The most of `n` tokens of `req` that keep the predicted step time within `limit`."""
-        ctx = batch.context_tokens + req.num_computed_tokens
+    def _fit(self, batch: ScheduledBatch, req: Request | None, n: int, limit: float) -> int:
+        """The most of `n` tokens of `req` that keep the predicted step time within `limit`
+        (None: of a request with nothing cached, the cheapest there can be)."""
+        ctx = batch.context_tokens + (0 if req is None else req.num_computed_tokens)
         return self.step_model.most_tokens(len(batch.items) + 1, batch.num_tokens, ctx, n, limit)
 
-    def _admit(self, batch: ScheduledBatch, lane: str, cap: float | None) -> bool:
-        """Admit waiting requests of one lane; True if admission stopped for lack of
-        budget, sequence slots, blocks or step time (so later lanes must wait too)."""
-        lane_running = sum(r.lane == lane for r in self.running)
+    def _admit(
+        self, batch: ScheduledBatch, lane: str, lane_running: int, cap: float | None
+    ) -> bool:
+        """Admit waiting requests of one lane (`lane_running` of it running); True if
+        admission stopped for lack of budget, sequence slots, blocks or step time (so later
+        lanes must wait too)."""
         for req in [r for r in self.waiting if r.lane == lane]:
             if lane_running >= self.lanes[lane].max_batch:
                 return False  # this lane is full; the next one may still have room
@@ -292,9 +294,10 @@ class Scheduler:
             self._preempt(victim)
             batch.preempted.append(victim)
 
-    def _pick_victim(self, order: list[Request], scheduled: set[int]) -> Request:
+    def _pick_victim(self, batch: ScheduledBatch) -> Request:
         """The lowest-ranked, most recent running request not yet scheduled this step."""
-        candidates = [r for r in order if r.status is Status.RUNNING and id(r) not in scheduled]
+        scheduled = {id(r) for r, _ in batch.items}
+        candidates = [r for r in self.running if id(r) not in scheduled]
         if not candidates:
             raise RuntimeError("KV cache too small for the requests scheduled in one step")
         return max(candidates, key=self.order_key)
@@ -307,12 +310,13 @@ class Scheduler:
         req.metrics.num_preemptions += 1
         self.add(req)
 
-    def _running_order(self, req: Request) -> tuple[int, bool, int, float]:
-        # Decodes take turns (least recently scheduled first, in the order they ran) when a
-        # cap leaves some out; prompt chunks stay first come, first served, finishing prompts
-        # soonest.
+    @staticmethod
+    def _turn(req: Request) -> tuple[bool, int, float]:
+        # Within a lane, decodes take turns (least recently scheduled first, in the order
+        # they ran) when a cap leaves some out; prompt chunks stay first come, first served,
+        # finishing prompts soonest.
         prefill = req.num_tokens - req.num_computed_tokens > 1
-        return (self.rank(req), prefill, 0 if prefill else req.turn, req.metrics.arrival)
+        return (prefill, 0 if prefill else req.turn, req.metrics.arrival)
 
 
 def _count_by_lane(reqs: list[Request]) -> dict[str, int]:

@@ -18,6 +18,8 @@ from collections import deque
 import numpy as np
 
 NUM_FEATURES = 4
+# The solo step time is this percentile of the measured ones (`solo_step`)
+SOLO_PERCENTILE = 25
 
 
 def features(num_seqs: int, num_tokens: int, context_tokens: int) -> tuple[float, ...]:
@@ -101,11 +103,19 @@ class StepLatencyModel:
             self.solo_steps.append(seconds)
 
     def solo_step(self) -> float | None:
-        """The median time of the latest single-token steps of one sequence (a decode alone),
-        measured rather than predicted; None before any. Safe from another thread (the
-        metrics): the deque is copied in one C call first."""
+        """The time of a single-token step of one sequence (a decode alone), measured rather
+        than predicted: the faster quarter of the latest ones (a busy machine only slows
+        steps, so this follows the machine more than its load); None before any. Safe from
+        another thread (the metrics): the deque is copied in one C call first."""
         steps = list(self.solo_steps)
-        return float(np.median(steps)) if steps else None
+        return float(np.percentile(steps, SOLO_PERCENTILE)) if steps else None
+
+    def forget_live(self) -> None:
+        """Drop the live steps seen so far (a calibration's warm-up)."""
+        for f in self.fits.values():
+            f.recent.clear()
+        self.solo_steps.clear()
+        self._since_fit = 0
 
     def fit(self) -> None:
         self._since_fit = 0

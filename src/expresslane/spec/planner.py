@@ -107,7 +107,9 @@ class GuessPlanner:
         return max(room - 1, 0)
 
     def uniform(self, running: list[Request], costs: Callable[[int], float] | None) -> None:
-        """Give every decoding request the same number of guesses, so that the step runs as
+        """Give every decoding request of the speculating lanes the same number of guesses
+        (those of other lanes are left alone: pads cost them rows for no token), so that the
+        step runs as
         one uniform batch (the C++ layer stack, or one padded attention batch): with mixed
         lengths the guessing requests go through the prompt-chunk path, which measured slower
         than not guessing (0.92x at batch 2, 0.59x at batch 8 on the demo model). The common
@@ -117,7 +119,11 @@ class GuessPlanner:
         verified like any guess (a sampled request's pad has a one-hot q), so it costs rows
         but leaves the output exact: the same tokens when greedy, the same distribution when
         sampled. Pads are not counted as guesses."""
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        decoding = [
+            r
+            for r in running
+            if r.lane in self.proposers and r.num_computed_tokens == r.num_tokens - 1
+        ]
         lengths = sorted({len(r.spec.guesses) for r in decoding})
         if len(lengths) <= 1:
             return
