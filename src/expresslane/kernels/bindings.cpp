@@ -39,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward, NoGil())
       .def("set_head", &LayerStack::set_head)
       .def("set_prompt_attention", &LayerStack::set_prompt_attention)
+      .def("set_matrix_prompts", &LayerStack::set_matrix_prompts)
       .def("logits", &LayerStack::logits, NoGil())
       .def("set_greedy_vocab", &LayerStack::set_greedy_vocab)
       .def("greedy", &LayerStack::greedy, NoGil());

@@ -9,13 +9,24 @@
 
 namespace expresslane {
 
+// A step's prompt rows (positions before their sequence's prompt end) when the matrix path
+// takes them: all of the step's rows, or these (int64 indices) beside the others.
+struct PromptRows {
+  bool active = false, all = false;
+  torch::Tensor prompt, other;
+};
+
 // A bf16 weight: [N, K] (gemv_cpu.cpp) or packed for bf16 dot products, [N/16, K/2, 32]
-// (bf16dot_cpu.cpp); or FP4 codes + block scales + row scales (see fp4_cpu.cpp).
+// (bf16dot_cpu.cpp); or FP4 codes + block scales + row scales (see fp4_cpu.cpp). `matrix`:
+// the plain bf16 weight [N, K] for prompt rows in oneDNN's bf16 matmul (undefined: none).
 struct Linear {
   std::vector<torch::Tensor> w;
   c10::optional<torch::Tensor> bias;
   int64_t block = 0, scale_kind = 0;
+  torch::Tensor matrix;
   torch::Tensor operator()(const torch::Tensor& x) const;
+  // Prompt rows in the matrix path where `rows` is active, the others in the row kernel.
+  torch::Tensor operator()(const torch::Tensor& x, const PromptRows& rows) const;
 };
 
 struct Layer {
@@ -50,6 +61,12 @@ class LayerStack {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                         torch::Tensor decode_slots, int64_t L, torch::Tensor q_lens, torch::Tensor starts,
                         torch::Tensor prompt_ends);
+
+  // A step with at least `min_rows` prompt rows computes their linears in oneDNN's bf16
+  // matmul (AMX where the CPU has it; bf16 outputs) instead of the row kernel: weights[l] is
+  // layer l's [qkv, o, gate_up, down] plain bf16 weights. min_rows 0: never (the default).
+  // Decode and verification rows always take the row kernel.
+  void set_matrix_prompts(int64_t min_rows, std::vector<std::vector<torch::Tensor>> weights);
 
   // Whether prompt rows attend in the tiled kernel (prompt_attention.h; else row by row, the
   // default), and with bf16 products or float32 ones.
@@ -97,6 +114,10 @@ class LayerStack {
 
   int64_t qkv_width() const { return (H + 2 * Hkv) * D; }
 
+  // The step's prompt rows, active when there are at least matrix_rows_ of them.
+  expresslane::PromptRows prompt_rows(const torch::Tensor& lens, const torch::Tensor& starts,
+                                      const torch::Tensor& prompt_ends) const;
+
   // q/k norms (Qwen3) and RoPE, in place on the fused projection's q and k heads.
   void prepare_qk(const expresslane::Layer& l, float* qkv, int64_t T, const float* cos, const float* sin) const;
 
@@ -111,4 +132,5 @@ class LayerStack {
   expresslane::Linear greedy_head_;  // set_greedy_vocab's rows of head_, and their token ids
   torch::Tensor greedy_ids_;
   bool tiled_prompts_ = false, bf16_prompts_ = false;
+  int64_t matrix_rows_ = 0;
 };

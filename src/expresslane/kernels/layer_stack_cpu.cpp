@@ -49,6 +49,19 @@ torch::Tensor expresslane::Linear::operator()(const torch::Tensor& x) const {
   return fp4_linear(x, w[0], w[1], w[2], bias, block, scale_kind);
 }
 
+torch::Tensor expresslane::Linear::operator()(const torch::Tensor& x, const PromptRows& rows) const {
+  if (!rows.active || !matrix.defined()) return (*this)(x);
+  auto mat = [&](const torch::Tensor& r) {
+    auto y = at::linear(r.to(torch::kBFloat16), matrix).to(torch::kFloat32);
+    return bias ? y.add_(*bias) : y;
+  };
+  if (rows.all) return mat(x);
+  auto out = torch::empty({x.size(0), matrix.size(0)}, x.options());
+  out.index_copy_(0, rows.prompt, mat(x.index_select(0, rows.prompt)));
+  if (rows.other.numel() > 0) out.index_copy_(0, rows.other, (*this)(x.index_select(0, rows.other)));
+  return out;
+}
+
 // x: float32 [M, N] (rows may be strided) -> int64 [M], each row's torch.argmax.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) > 0, "x: float32 [M, N], N >= 1");
@@ -100,6 +113,7 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   auto seq_starts = starts.to(torch::kInt64).contiguous();
   // positions before these take the tiled prompt kernel (none unless set_prompt_attention)
   auto ends = tiled_prompts_ ? prompt_ends.to(torch::kInt64).contiguous() : torch::zeros({B}, torch::kInt64);
+  const auto rows = prompt_rows(lens, seq_starts, prompt_ends);
   auto h = torch::empty({T, hidden}, x.options());
   auto attn = torch::empty({T, H * D}, x.options());
   auto act = torch::empty({T, F}, x.options());
@@ -110,21 +124,53 @@ torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     each_row(T, [&](int64_t t) {
       ops::rms_norm(xp + t * hidden, l.input_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
     });
-    auto qkv = l.qkv(h);
+    auto qkv = l.qkv(h, rows);
     prepare_qk(l, qkv.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>());
     write_kv(l.cache, qkv.data_ptr<float>(), T, slots_out.data_ptr<int64_t>());
     attend_step(l.cache, H, qkv.data_ptr<float>(), qkv_width(), attn.data_ptr<float>(), B, lens.data_ptr<int64_t>(), L,
                 slots_in.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), bf16_prompts_);
-    ops::add_inplace(xp, l.o(attn).data_ptr<float>(), T * hidden);
+    ops::add_inplace(xp, l.o(attn, rows).data_ptr<float>(), T * hidden);
     each_row(T, [&](int64_t t) {
       ops::rms_norm(xp + t * hidden, l.post_norm.data_ptr<float>(), hp + t * hidden, hidden, eps);
     });
-    auto gu = l.gate_up(h);
+    auto gu = l.gate_up(h, rows);
     const float* gup = gu.data_ptr<float>();
     each_row(T, [&](int64_t t) { ops::silu_mul(gup + t * 2 * F, gup + t * 2 * F + F, actp + t * F, F); });
-    ops::add_inplace(xp, l.down(act).data_ptr<float>(), T * hidden);
+    ops::add_inplace(xp, l.down(act, rows).data_ptr<float>(), T * hidden);
   }
   return x;
+}
+
+expresslane::PromptRows LayerStack::prompt_rows(const torch::Tensor& lens, const torch::Tensor& starts,
+                                                const torch::Tensor& prompt_ends) const {
+  expresslane::PromptRows rows;
+  if (matrix_rows_ <= 0) return rows;
+  const int64_t B = lens.numel();
+  auto ends = prompt_ends.to(torch::kInt64).contiguous();
+  const int64_t *len = lens.data_ptr<int64_t>(), *start = starts.data_ptr<int64_t>(), *end = ends.data_ptr<int64_t>();
+  std::vector<int64_t> prompt, other;
+  for (int64_t b = 0, t = 0; b < B; ++b)
+    for (int64_t j = 0; j < len[b]; ++j, ++t) (start[b] + j < end[b] ? prompt : other).push_back(t);
+  if (static_cast<int64_t>(prompt.size()) < matrix_rows_) return rows;
+  auto index = [](const std::vector<int64_t>& v) {
+    return torch::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kInt64).clone();
+  };
+  rows.active = true;
+  rows.all = other.empty();
+  rows.prompt = index(prompt);
+  rows.other = index(other);
+  return rows;
+}
+
+void LayerStack::set_matrix_prompts(int64_t min_rows, std::vector<std::vector<torch::Tensor>> weights) {
+  TORCH_CHECK(min_rows <= 0 || weights.size() == layers.size(), "one [qkv, o, gate_up, down] per layer");
+  matrix_rows_ = min_rows;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Linear* dst[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+    for (int j = 0; j < 4; ++j) {
+      dst[j]->matrix = min_rows > 0 ? weights[i].at(j).to(torch::kBFloat16).contiguous() : torch::Tensor();
+    }
+  }
 }
 
 void LayerStack::set_head(torch::Tensor embed, torch::Tensor norm, std::vector<torch::Tensor> lm_head,

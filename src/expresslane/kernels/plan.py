@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from expresslane import kernels
+from expresslane.kernels.linear_choice import PromptLinears
 
 # Up to this many rows the bf16 row kernel beats oneDNN where linears have no bf16 dot
 # products, and decode-only steps of up to this many tokens run the layer stack: AVX2, 63
@@ -105,6 +106,14 @@ def fp4_path(compute_dtype: torch.dtype) -> LinearPath:
     return LinearPath.FP4_DEQUANTIZE
 
 
+def _prompt_linears_text(choice: PromptLinears | None, matrix_rows: int | None) -> str:
+    if choice is None:
+        return ""
+    if choice.matrix_rows is not None and matrix_rows is None:
+        return "prompt linears row kernel (batch invariant)"
+    return choice.describe()
+
+
 def _dot_packable(w: torch.Tensor) -> bool:
     """Whether the bf16 dot-product kernel takes this weight: 16-column blocks, k pairs."""
     return w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
@@ -123,6 +132,9 @@ class ExecutionPlan:
     native_head: bool  # the stack also runs the final norm and the head (logits, greedy)
     tiled_prompts: bool = False  # prompt rows attend in the tiled kernel (prompt_attention.h)
     bf16_prompts: bool = False  # ... with bf16 products (the layers round activations to bf16)
+    # A step's prompt rows take oneDNN's bf16 matmul from this many on (linear_choice.py)
+    matrix_prompt_rows: int | None = None
+    prompt_linears: str = ""  # how that was chosen, for the log line
 
     @classmethod
     def of(
@@ -134,11 +146,13 @@ class ExecutionPlan:
         stack: bool,
         tiled_prompts: bool = False,
         batch_invariant: bool = False,
+        prompt_linears: PromptLinears | None = None,
     ) -> ExecutionPlan:
         """The plan of a model whose output head and layer linears take these paths, with or
-        without the C++ layer stack built, its prompt rows in the tiled attention or not.
-        `batch_invariant` runs every step in the stack even where its linears are slower than
-        oneDNN's for large batches (the bf16 row kernel)."""
+        without the C++ layer stack built, its prompt rows in the tiled attention or not, and
+        in oneDNN's matmul where `prompt_linears` measured it faster. `batch_invariant` runs
+        every step in the stack even where its linears are slower than oneDNN's for large
+        batches (the bf16 row kernel), and keeps prompt rows in the row kernels."""
         paths = [head, *layers]
         fp4 = LinearPath.FP4_W4A8 in paths or LinearPath.FP4_DEQUANTIZE in paths
         # With linears that are fast and row-invariant at any batch every step runs the
@@ -147,6 +161,9 @@ class ExecutionPlan:
         # layer linear runs a row kernel at any batch, so asking for it makes that true too.
         asked = batch_invariant and head in STACK_PATHS
         invariant = asked or all(p in ROW_INVARIANT for p in paths)
+        matrix_rows = None
+        if stack and not batch_invariant and prompt_linears is not None:
+            matrix_rows = prompt_linears.matrix_rows
         return cls(
             compute=str(compute).removeprefix("torch."),
             kv_cache=kv_cache,
@@ -159,6 +176,8 @@ class ExecutionPlan:
             # the bf16 dot-product linears already round every activation to bf16: the
             # attention's products of prompt rows may too (~2x the float32 ones)
             bf16_prompts=tiled_prompts and LinearPath.BF16_DOT in layers,
+            matrix_prompt_rows=matrix_rows,
+            prompt_linears=_prompt_linears_text(prompt_linears, matrix_rows),
         )
 
     def uses_stack(self, num_tokens: int, decode_only: bool) -> bool:
@@ -167,8 +186,9 @@ class ExecutionPlan:
 
     @property
     def batch_invariant(self) -> bool:
-        """Greedy tokens do not depend on the batch (every step takes the same kernels)."""
-        return self.every_step
+        """Greedy tokens do not depend on the batch (every step takes the same kernels, and
+        prompt rows do not take oneDNN's, whose rows may depend on the rows beside them)."""
+        return self.every_step and self.matrix_prompt_rows is None
 
     def describe(self) -> str:
         linears = ", ".join(f"{n} {path}" for path, n in self.linears.items())
@@ -181,7 +201,8 @@ class ExecutionPlan:
         head = ", head in the stack" if self.native_head else ""
         prompts = "tiled" if self.tiled_prompts else "row by row" if self.stack else "SDPA"
         prompts += " (bf16 products)" if self.bf16_prompts else ""
+        matrix = f"; {self.prompt_linears}" if self.prompt_linears else ""
         return (
             f"{self.compute} compute, {self.kv_cache}; linears: {linears}; {steps}{head}; "
-            f"prompt attention {prompts}"
+            f"prompt attention {prompts}{matrix}"
         )

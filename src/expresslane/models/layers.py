@@ -24,8 +24,11 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None  # oneDNN's blocked layout
         self._bf16: torch.Tensor | None = None  # what the bf16 kernel reads
         self._bf16_kernel = None
+        self.matrix: torch.Tensor | None = None  # plain bf16, for prompt rows in oneDNN
 
-    def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
+    def prepare_cpu(self, compute_dtype: torch.dtype, keep_matrix: bool = False) -> None:
+        """`keep_matrix`: where the dot-product kernel takes the weight, keep its plain bf16
+        copy too, for prompt rows in oneDNN's matmul (kernels/linear_choice.py)."""
         from expresslane.kernels import cpu_kernels
 
         w = self.weight.data
@@ -35,6 +38,7 @@ class Linear(nn.Module):
         if self.path is LinearPath.BF16_DOT:
             kernels = cpu_kernels()
             self._bf16, self._bf16_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
+            self.matrix = w.contiguous() if keep_matrix else None
             self.weight = None
             return
         if self.path is LinearPath.BF16_ROWS:

@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.kernels import linear_choice
 from expresslane.kernels.constants import ScaleKind
-from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan
+from expresslane.kernels.linear_choice import PromptLinears
+from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan, LinearPath, linear_path
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
 from expresslane.models.kv_store import PlainKV
-from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
 from expresslane.quant.linear import Fp4Linear
 
 
@@ -36,6 +38,10 @@ class DecoderLayer(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.ffn = cfg.intermediate_size
+
+    def linears(self) -> list[nn.Module]:
+        """qkv, o, gate_up, down: the order the layer stack takes them in."""
+        return [self.qkv, self.o, self.gate_up, self.down]
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
@@ -82,16 +88,32 @@ class LlamaModel(nn.Module):
         self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
         self.batch_invariant = False  # ask the plan for row-invariant kernels in every step
+        self.prompt_linears = linear_choice.ROW_KERNEL  # measured in prepare_cpu
 
     @property
     def device(self) -> torch.device:
         return self.embed.device
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
-        """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`)."""
+        """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`), having
+        chosen which kernel prompt rows take (kernels/linear_choice.py)."""
+        self.prompt_linears = self._choose_prompt_linears(compute_dtype)
+        keep = self.prompt_linears.matrix_rows is not None
+        layer_linears = {id(m) for m in self.layer_linears()}
         for m in self.modules():
-            if hasattr(m, "prepare_cpu") and m is not self:
+            if isinstance(m, Linear) and id(m) in layer_linears:
+                m.prepare_cpu(compute_dtype, keep_matrix=keep)
+            elif hasattr(m, "prepare_cpu") and m is not self:
                 m.prepare_cpu(compute_dtype)
+
+    def _choose_prompt_linears(self, compute_dtype: torch.dtype) -> PromptLinears:
+        first = self.layer_linears()[:4]
+        if not all(
+            isinstance(m, Linear) and linear_path(m.weight, compute_dtype) is LinearPath.BF16_DOT
+            for m in first
+        ):
+            return linear_choice.ROW_KERNEL
+        return linear_choice.choose([m.weight.data for m in first])
 
     def bind_kv_cache(self, caches: list) -> None:
         """One KV store per layer (models/kv_store.py); plain tensors are wrapped."""
@@ -106,14 +128,28 @@ class LlamaModel(nn.Module):
             self.layer_stack is not None,
             self.layers[0].attn.tiled_prompts(self.dtype),
             self.batch_invariant,
+            self.prompt_linears,
         )
         for layer in self.layers:
             layer.attn.bf16_prompts = self.plan.bf16_prompts
         if self.layer_stack is not None:
             self.layer_stack.set_prompt_attention(self.plan.tiled_prompts, self.plan.bf16_prompts)
+            self._set_matrix_prompts()
+
+    def _set_matrix_prompts(self) -> None:
+        """Hand the plain bf16 weights to the stack where the plan sends prompt rows to
+        oneDNN; else free them."""
+        rows = self.plan.matrix_prompt_rows
+        weights = [[getattr(m, "matrix", None) for m in la.linears()] for la in self.layers]
+        if rows and all(w is not None for ws in weights for w in ws):
+            self.layer_stack.set_matrix_prompts(rows, weights)
+            return
+        for m in self.layer_linears():
+            if isinstance(m, Linear):
+                m.matrix = None
 
     def layer_linears(self) -> list[nn.Module]:
-        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [m for layer in self.layers for m in layer.linears()]
 
     @torch.inference_mode()
     def forward(
@@ -207,7 +243,7 @@ def build_layer_stack(model: LlamaModel):
             layer.post_norm.weight,
             None if layer.q_norm is None else layer.q_norm.weight,
             None if layer.k_norm is None else layer.k_norm.weight,
-            [m.kernel_weights() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+            [m.kernel_weights() for m in layer.linears()],
             layer.qkv.bias,
             cache,
             layer.attn.kv.NATIVE_KIND,
