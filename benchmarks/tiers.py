@@ -12,10 +12,11 @@ start of the server (`--starts`, each calibrating anew):
 
 Per ultrafast request: decode tokens/s (first token excluded) and its inter-token latencies; the
 default streams' tokens over the same interval. Reported: the median ultrafast tokens/s over
-the median default stream's tokens/s during all ultrafast requests together, the ultrafast speed in phase B as a fraction of its solo
-speed, the p99 ITL, default-lane throughput with and without the ultrafast traffic (the price
-of the lane), and the spread of the auto targets over the starts. `--targets` reruns
-phase B with other ultrafast targets (tokens/s) to show default throughput against the target.
+the median default stream's tokens/s during all ultrafast requests together, the ultrafast
+speed in phase B as a fraction of its solo speed, the p99 ITL, default-lane throughput with
+and without the ultrafast traffic (the price of the lane), and the spread of the auto targets
+over the starts. `--targets` reruns phase B with other ultrafast targets (tokens/s) to show
+default throughput against the target.
 Token times are client-side, from SSE chunks (`logprobs` gives the tokens in each chunk).
 
     python benchmarks/tiers.py [--starts 3] [--streams 32] [--ultrafast 10] [--targets 60,90]

@@ -342,8 +342,8 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     """A ragged step through the C++ step: two decodes, a whole prompt of 20 tokens and a
     12-token chunk after 30 cached ones whose last 6 rows are past its prompt, against the
     Python layers (SDPA for the chunks), with bf16 or FP4 linears: the prompt rows run the
-    tiled kernel where it is built (float32 products; bf16 ones within 5e-2), the rest the
-    decode kernel."""
+    tiled kernel (float32 products; bf16 ones, where built, within 5e-2), the rest the decode
+    kernel."""
     from types import SimpleNamespace
 
     from expresslane import LLM
@@ -355,7 +355,7 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
     engine = LLM(str(tmp_path), quantization=quantization).engine
     monkeypatch.setattr(attention, "native_prompt_attention", lambda q, kv: None)  # SDPA
     model, runner = engine.model, engine.runner
-    assert model.plan.tiled_prompts == kernels.prompt_attention_available()
+    assert model.plan.tiled_prompts
     assert model.layer_stack is not None and engine.kv.num_blocks >= 40
     g = torch.Generator().manual_seed(5)
     hkv, d = model.cfg.num_kv_heads, model.cfg.head_dim

@@ -11,10 +11,7 @@ from expresslane.kernels import cpu_kernels
 from expresslane.models import kv_store
 
 kernels = cpu_kernels()
-needs_tiles = pytest.mark.skipif(
-    kernels is None or not kernels.prompt_attention_available(),
-    reason="the tiled prompt attention needs an AVX-512 build of the CPU kernels",
-)
+needs_tiles = pytest.mark.skipif(kernels is None, reason="no CPU kernels here")
 
 
 def _reference(q, store, slots, start):

@@ -30,9 +30,7 @@ void add_constants(pybind11::module& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's index of its first maximum, as torch.argmax (AVX2)", NoGil());
   m.def("decode_attention", &decode_attention, "attention of decode tokens over the paged KV cache (AVX2)", NoGil());
-  m.def("prompt_attention", &prompt_attention, "tiled attention of prompt chunks over the paged KV cache (AVX-512)",
-        NoGil());
-  m.def("prompt_attention_available", &prompt_attention_available, "whether this build has prompt_attention");
+  m.def("prompt_attention", &prompt_attention, "tiled attention of prompt chunks over the paged KV cache", NoGil());
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LayerStack::add_layer)

@@ -32,13 +32,11 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
                                int64_t L, int64_t Q, torch::Tensor starts);
 
 // layer_stack_cpu.cpp: tiled attention of prompt chunks over a store's native() tensors
-// (prompt_attention.h; AVX-512 builds), with bf16 products where bf16 and the build has them
+// (prompt_attention.h), with bf16 products where bf16 and the build has them
 // (bf16_dot_available).
 torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor slots,
                                int64_t L, torch::Tensor q_lens, torch::Tensor starts, bool bf16);
 
-// whether this build has prompt_attention
-bool prompt_attention_available();
 
 // layer_stack_cpu.cpp: K/V [T, Hkv, D] into a store's native() tensors at `slots`, as the native
 // step writes them (tested against the store's own write).

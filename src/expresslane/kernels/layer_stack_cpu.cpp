@@ -320,11 +320,11 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
 
 // The tiled prompt attention alone (prompt_attention.h), for chunks the Python layers run: q
 // [T, H, D] float32 after RoPE, sequence b's q_lens[b] rows consecutive; kv/kind a store's
-// native() tensors; slots [B*L]; starts [B]; bf16: bf16 products (AVX-512 BF16 builds).
+// native() tensors; slots [B*L]; starts [B]; bf16: bf16 products (AVX-512 BF16 builds;
+// float32 ones elsewhere).
 // Returns [T, H*D].
 torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor slots,
                                int64_t L, torch::Tensor q_lens, torch::Tensor starts, bool bf16) {
-  TORCH_CHECK(expresslane::kPromptAttentionBuilt, "the tiled prompt attention needs an AVX-512 build");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "q: float32 [T, H, D]");
   q = q.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -337,17 +337,13 @@ torch::Tensor prompt_attention(torch::Tensor q, std::vector<torch::Tensor> kv, i
   TORCH_CHECK(lens.sum().item<int64_t>() == T && at.numel() == B * L && seq_starts.numel() == B,
               "q_lens sum to the rows, slots [B*L], starts [B]");
   auto out = torch::empty({T, H * D}, q.options());
-#ifdef __AVX512F__
   std::vector<int64_t> rows(B);
   for (int64_t b = 0, row = 0; b < B; row += lens.data_ptr<int64_t>()[b++]) rows[b] = row;
   expresslane::prompt_attention(cache, H, q.data_ptr<float>(), H * D, out.data_ptr<float>(), B, rows.data(),
                                 lens.data_ptr<int64_t>(), L, at.data_ptr<int64_t>(), seq_starts.data_ptr<int64_t>(),
                                 bf16);
-#endif
   return out;
 }
-
-bool prompt_attention_available() { return expresslane::kPromptAttentionBuilt; }
 
 // k, v: float32 [T, Hkv, D] -> rows slots[t] of the cache (kv, kind: a store's native()).
 void write_kv(std::vector<torch::Tensor> kv, int64_t kind, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {

@@ -1,5 +1,5 @@
-// Attention of prompt chunks over the paged KV cache (paged_kv.h), tiled (flash-style), for
-// AVX-512 builds; paged_attention.h serves every other build and every decode.
+// Attention of prompt chunks over the paged KV cache (paged_kv.h), tiled (flash-style);
+// paged_attention.h serves every decode.
 //
 // paged_attention scores each query row against each key it sees, one or two rows per key
 // load: right for decodes, compute-starved for prompts, whose rows all read the same keys. Here
@@ -33,8 +33,6 @@
 
 namespace expresslane {
 
-#ifdef __AVX512F__
-constexpr bool kPromptAttentionBuilt = true;
 constexpr int64_t kKeyBlock = 32;  // keys per block, aligned to absolute positions
 constexpr int64_t kTileRows = 64;  // query rows per work item (positions x G)
 
@@ -107,39 +105,41 @@ struct PromptTile {
   // the earlier sums in alpha.
   void softmax_block(int64_t v, int64_t kb, int64_t nk) {
     const int64_t o = 16 * v;
-    const __m512i at = _mm512_loadu_si512(pos.data() + o);
-    const __m512 hidden = _mm512_set1_ps(-INFINITY);
-    const __m512 m_old = _mm512_loadu_ps(m.data() + o);
-    __m512 m_new = m_old;
+    const I16 at = vpositions(pos.data() + o);
+    const F16 m_old = vload(m.data() + o);
+    F16 m_new = m_old;
     for (int64_t j = 0; j < nk; ++j) {
-      const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(kb + j)), at);
-      const __m512 sj = _mm512_mask_blend_ps(seen, hidden, _mm512_loadu_ps(s.data() + j * stride + o));
-      m_new = _mm512_max_ps(m_new, sj);
+      const int32_t key = static_cast<int32_t>(kb + j);
+      m_new = vmax(m_new, vseen(at, key, vload(s.data() + j * stride + o), vset(-INFINITY)));
     }
-    const __m512 a = exp16(_mm512_sub_ps(m_old, m_new));
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l.data() + o), a);
+    const F16 a = exp16(vsub(m_old, m_new));
+    F16 sum = vmul(vload(l.data() + o), a);
     for (int64_t j = 0; j < nk; ++j) {
-      const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(kb + j)), at);
       float* sj = s.data() + j * stride + o;
-      const __m512 pj = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj), m_new)));
-      sum = _mm512_add_ps(sum, pj);
-      _mm512_storeu_ps(sj, pj);
+      const F16 pj = vseen(at, static_cast<int32_t>(kb + j), exp16(vsub(vload(sj), m_new)), vset(0.0f));
+      sum = vadd(sum, pj);
+      vstore(sj, pj);
     }
-    _mm512_storeu_ps(m.data() + o, m_new);
-    _mm512_storeu_ps(l.data() + o, sum);
-    _mm512_storeu_ps(alpha.data() + o, a);
+    vstore(m.data() + o, m_new);
+    vstore(l.data() + o, sum);
+    vstore(alpha.data() + o, a);
   }
 
   // Scores, softmax and weighing for one block of nk keys starting at position kb.
+  // (Two vectors of rows at a time where kPairedVectors, then one.)
   void attend(const float* const* keys, const float* const* values, int64_t kb, int64_t nk) {
     int64_t r0 = 0;
-    for (; r0 + 32 <= stride; r0 += 32) score_block<2>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
-    if (r0 < stride) score_block<1>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
+    if constexpr (kPairedVectors)
+      for (; r0 + 32 <= stride; r0 += 32) score_block<2>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
+    for (; r0 < stride; r0 += 16) score_block<1>(qt.data() + r0, stride, D, keys, nk, s.data() + r0);
     for (int64_t v = 0; v < stride / 16; ++v) softmax_block(v, kb, nk);
     for (int64_t d0 = 0; d0 < D; d0 += 4) {
-      for (r0 = 0; r0 + 32 <= stride; r0 += 32)
-        weigh_block<2>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
-      if (r0 < stride) weigh_block<1>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
+      r0 = 0;
+      if constexpr (kPairedVectors)
+        for (; r0 + 32 <= stride; r0 += 32)
+          weigh_block<2>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
+      for (; r0 < stride; r0 += 16)
+        weigh_block<1>(s.data() + r0, stride, values, nk, d0, alpha.data() + r0, ot.data() + r0);
     }
   }
 
@@ -247,8 +247,4 @@ inline void prompt_attention(const PagedKV& c, int64_t H, const float* q, int64_
     }
   });
 }
-#else
-constexpr bool kPromptAttentionBuilt = false;
-#endif
-
 }  // namespace expresslane

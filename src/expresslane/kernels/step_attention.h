@@ -1,6 +1,5 @@
 // Which attention kernel takes which rows of a step. A sequence's rows at positions before its
-// prompt end are prompt rows, attended by the tiled kernel (prompt_attention.h) where it is
-// built; the rest (decodes, verifications, generated tokens recomputed after a preemption) by
+// prompt end are prompt rows, attended by the tiled kernel (prompt_attention.h); the rest (decodes, verifications, generated tokens recomputed after a preemption) by
 // paged_attention.h. The split goes by position, not by how the scheduler batched the step:
 // every row takes the same kernel whatever else runs beside it, and both kernels' rows are
 // computed alone, so greedy tokens do not depend on the batch or on how a prompt was chunked.
@@ -22,7 +21,7 @@ inline void attend_step(const PagedKV& c, int64_t H, const float* q, int64_t q_s
   std::vector<int64_t> rows(B), lens(B), from(B), prompt_rows(B), prompt_lens(B);
   bool prompts = false;
   for (int64_t b = 0, row = 0; b < B; row += q_lens[b++]) {
-    const int64_t n = kPromptAttentionBuilt ? std::clamp<int64_t>(prompt_ends[b] - starts[b], 0, q_lens[b]) : 0;
+    const int64_t n = std::clamp<int64_t>(prompt_ends[b] - starts[b], 0, q_lens[b]);
     prompt_rows[b] = row;
     prompt_lens[b] = n;
     rows[b] = row + n;
@@ -31,11 +30,9 @@ inline void attend_step(const PagedKV& c, int64_t H, const float* q, int64_t q_s
     prompts = prompts || n > 0;
   }
   paged_attention(c, H, q, q_stride, out, B, rows.data(), lens.data(), L, slots, from.data());
-#ifdef __AVX512F__
   if (prompts)
     prompt_attention(c, H, q, q_stride, out, B, prompt_rows.data(), prompt_lens.data(), L, slots, starts,
                      bf16_prompts);
-#endif
 }
 
 }  // namespace expresslane

@@ -101,14 +101,13 @@ def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | No
 
 def native_prompt_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
     """The C++ tiled prompt attention (kernels/prompt_attention.h) where it can serve this
-    call: CPU, float32, head_dim a multiple of 16, a KV store it reads, an AVX-512 build;
-    else None."""
+    call: CPU, float32, head_dim a multiple of 16, a KV store it reads; else None."""
     if q.is_cuda or q.dtype != torch.float32 or q.shape[-1] % 16 or kv_tensors is None:
         return None
     from expresslane.kernels import cpu_kernels
 
     kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.prompt_attention_available() else None
+    return kernels
 
 
 class PagedAttention(torch.nn.Module):
