@@ -13,9 +13,13 @@ import torch
 # Servers started by tests keep API keys and the usage ledger in memory, never in the
 # user's real accounts database; tests that need a file pass their own path.
 os.environ["EXPRESSLANE_ACCOUNTS"] = ":memory:"
-# Prompt rows take the row kernels, whatever this machine's measurement would choose: the
-# batch-invariance tests hold on every machine; tests of the matrix path ask for it.
-os.environ["EXPRESSLANE_PROMPT_LINEARS"] = "rows"
+
+
+def pytest_configure(config) -> None:
+    # Prompt rows take the row kernels, whatever this machine's measurement would choose: the
+    # batch-invariance tests hold on every machine; tests of the matrix path ask for it. (Set
+    # here, not on import: benchmarks import this module's checkpoint helpers.)
+    os.environ["EXPRESSLANE_PROMPT_LINEARS"] = "rows"
 
 VOCAB = 512
 ARCH_CONFIGS = {
