@@ -21,6 +21,7 @@ def pytest_configure(config) -> None:
     # here, not on import: benchmarks import this module's checkpoint helpers.)
     os.environ["EXPRESSLANE_PROMPT_LINEARS"] = "rows"
 
+
 VOCAB = 512
 ARCH_CONFIGS = {
     "llama": (

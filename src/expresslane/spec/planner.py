@@ -109,10 +109,10 @@ class GuessPlanner:
     def uniform(self, running: list[Request], costs: Callable[[int], float] | None) -> None:
         """Give every decoding request of the speculating lanes the same number of guesses
         (those of other lanes are left alone: pads cost them rows for no token), so that the
-        step runs as
-        one uniform batch (the C++ layer stack, or one padded attention batch): with mixed
-        lengths the guessing requests go through the prompt-chunk path, which measured slower
-        than not guessing (0.92x at batch 2, 0.59x at batch 8 on the demo model). The common
+        step runs as one uniform batch (the C++ layer stack, or one padded attention batch):
+        with mixed lengths the guessing requests go through the prompt-chunk path, which
+        measured slower than not guessing (0.92x at batch 2, 0.59x at batch 8 on the demo
+        model). The common
         length is the one the step-latency model expects to yield the most tokens per second
         (before it is fitted: the median, which cuts or pads the fewest guesses). Longer
         proposals are cut to it; shorter ones are padded with their last token. A pad is
