@@ -16,12 +16,19 @@ SCRIPT = textwrap.dedent(
     import os, threading
     from expresslane.fleet.replica import pin_process
 
-    started = threading.Event()
-    threading.Thread(target=lambda: (started.set(), threading.Event().wait()), daemon=True).start()
-    started.wait()
+    def waiting_thread():
+        started = threading.Event()
+
+        def wait():
+            started.set()
+            threading.Event().wait()
+
+        threading.Thread(target=wait, daemon=True).start()
+        started.wait()  # alive until the process ends: listed below, never gone while read
+
+    waiting_thread()
     pin_process([0])
-    later = threading.Thread(target=lambda: None)  # started after: inherits the pin
-    later.start()
+    waiting_thread()  # started after: inherits the pin
     for tid in os.listdir("/proc/self/task"):
         print(tid, sorted(os.sched_getaffinity(int(tid))))
     """
@@ -37,4 +44,4 @@ def test_every_thread_of_the_process_is_pinned():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     affinities = [line.split(" ", 1)[1] for line in out.splitlines()]
-    assert len(affinities) >= 2 and set(affinities) == {"[0]"}
+    assert len(affinities) >= 3 and set(affinities) == {"[0]"}
