@@ -14,6 +14,7 @@ per CPU, torch build and layer shapes (`$XDG_CACHE_HOME/expresslane/linear_choic
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ MEASURE_ROWS = (32, 128, 512)
 MIN_GAIN = 1.2
 REPEATS = 5  # timings per kernel and row count, in turns; the fastest is kept
 ENV = "EXPRESSLANE_PROMPT_LINEARS"
+
+log = logging.getLogger("expresslane.engine")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ def choose(weights: list[torch.Tensor]) -> PromptLinears:
     if key in cache:
         gains = {int(m): g for m, g in cache[key].items()}
         return PromptLinears(_crossover(gains), "cached", gains)
+    log.info("timing the prompt rows' linear kernels (once per machine and layer shapes)")
     gains = measure(weights)
     _write_cache({**cache, key: {str(m): g for m, g in gains.items()}})
     return PromptLinears(_crossover(gains), "measured", gains)
