@@ -43,12 +43,12 @@ def test_the_crossover_is_where_every_larger_count_gains_enough():
 def test_the_environment_overrides_the_measurement(monkeypatch):
     weights = [torch.zeros(n, k, dtype=torch.bfloat16) for n, k in SHAPES]
     monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "rows")
-    assert choose(weights).matrix_rows is None
+    assert choose("bf16-dot", weights).matrix_rows is None
     monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "matrix:16")
-    assert choose(weights).matrix_rows == 16
+    assert choose("bf16-dot", weights).matrix_rows == 16
     monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "fastest")
     with pytest.raises(ValueError, match="rows, matrix:N or measure"):
-        choose(weights)
+        choose("bf16-dot", weights)
 
 
 @needs_dot
@@ -56,18 +56,18 @@ def test_measured_once_per_machine_and_shapes_then_cached(monkeypatch, tmp_path)
     monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "measure")
     monkeypatch.setattr(linear_choice, "cache_path", lambda: tmp_path / "choice.json")
     weights = [(torch.randn(n, k) * 0.1).bfloat16() for n, k in SHAPES]
-    first = choose(weights)
+    first = choose("bf16-dot", weights)
     assert first.source == "measured"
     assert sorted(first.gains) == list(MEASURE_ROWS) and min(first.gains.values()) > 0
     assert first.matrix_rows == _crossover(first.gains)
-    again = choose(weights)
+    again = choose("bf16-dot", weights)
     assert (again.source, again.gains, again.matrix_rows) == (
         "cached",
         first.gains,
         first.matrix_rows,
     )
     (key,) = json.loads((tmp_path / "choice.json").read_text())
-    assert "128x64,64x64,256x64,64x128" in key and torch.__version__ in key
+    assert "bf16-dot 128x64,64x64,256x64,64x128" in key and torch.__version__ in key
     assert "oneDNN" in first.describe()
 
 
@@ -86,32 +86,36 @@ def test_the_plan_sends_prompt_rows_to_onednn_unless_batch_invariant(monkeypatch
 
 
 @needs_dot
-def test_prompt_logprobs_match_the_row_kernels_within_bf16(monkeypatch, llama_bf16_dir):
-    """Prompt rows in oneDNN round their activations (as the row kernel does) and their
-    outputs to bf16: the prompt's log-probabilities stay within 2e-2 of the row kernels'."""
+@pytest.mark.parametrize(("quantization", "atol"), [(None, 2e-2), ("nvfp4", 5e-2)])
+def test_prompt_logprobs_match_the_row_kernels(monkeypatch, llama_bf16_dir, quantization, atol):
+    """Prompt rows in oneDNN round their activations (as the bf16 row kernel does; the FP4
+    one quantizes them to int8 per 32) and their outputs to bf16: the prompt's
+    log-probabilities stay within `atol` of the row kernels'."""
     prompts = random_prompts(3, 20, 60, seed=31)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
     monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "rows")
-    rows = LLM(str(llama_bf16_dir)).generate(prompts, params)
-    matrix = _matrix_llm(monkeypatch, llama_bf16_dir).generate(prompts, params)
+    rows = LLM(str(llama_bf16_dir), quantization=quantization).generate(prompts, params)
+    matrix_llm = _matrix_llm(monkeypatch, llama_bf16_dir, quantization=quantization)
+    assert matrix_llm.engine.model.plan.matrix_prompt_rows == 4
+    matrix = matrix_llm.generate(prompts, params)
     for a, b in zip(rows, matrix, strict=True):
         x = [e["token"] for e in a.prompt_logprobs[1:]]
         y = [e["token"] for e in b.prompt_logprobs[1:]]
-        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-2, rtol=0)
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol, rtol=0)
         assert x != y  # the matrix path really ran
 
 
 @needs_dot
-@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize(("batch", "quantization"), [(1, None), (6, None), (6, "nvfp4")])
 def test_greedy_outputs_identical_with_speculation_on_matrix_prompts(
-    monkeypatch, llama_bf16_dir, batch
+    monkeypatch, llama_bf16_dir, batch, quantization
 ):
     """Verification rows and plain decodes take the row kernel whatever the prompt rows take;
     prompts cut into chunks of 24 tokens run beside other sequences' decodes."""
     base = random_prompts(batch, 10, 60, seed=32)
     prompts = [p + p[:12] for p in base]  # n-grams to look up
     params = SamplingParams(max_tokens=32, **GREEDY)
-    options = dict(max_num_batched_tokens=24)
+    options = dict(max_num_batched_tokens=24, quantization=quantization)
     plain = _matrix_llm(monkeypatch, llama_bf16_dir, **options).generate(prompts, params)
     spec_llm = _matrix_llm(
         monkeypatch,

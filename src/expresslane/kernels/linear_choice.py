@@ -1,14 +1,14 @@
 """Which kernel the prompt rows' linears take, chosen by measurement on this machine.
 
-Decode and verification rows always take the row-invariant bf16 dot-product kernel
-(`LinearPath.BF16_DOT`): that is what keeps greedy outputs identical with and without
+Decode and verification rows always take the row-invariant kernel (`LinearPath.BF16_DOT`, or
+`FP4_W4A8` for FP4 weights): that is what keeps greedy outputs identical with and without
 speculation. Prompt rows may instead take oneDNN's bf16 matmul (on AMX tiles where the CPU has
-them) in steps with at least `matrix_rows` of them. At load, one layer's four linears are timed
-in both kernels at `MEASURE_ROWS` rows; the matrix path is taken from the smallest row count
-from which it is at least `MIN_GAIN` times faster at every count measured. The choice is cached
-per CPU, torch build and layer shapes (`$XDG_CACHE_HOME/expresslane/linear_choice.json`), and
-`EXPRESSLANE_PROMPT_LINEARS` overrides it: `rows` (never), `matrix:N` (from N prompt rows),
-`measure` (the default).
+them; FP4 weights dequantized to bf16 for it) in steps with at least `matrix_rows` of them.
+At load, one layer's four linears are timed in both kernels at `MEASURE_ROWS` rows; the matrix
+path is taken from the smallest row count from which it is at least `MIN_GAIN` times faster at
+every count measured. The choice is cached per CPU, torch build, row kernel and layer shapes
+(`$XDG_CACHE_HOME/expresslane/linear_choice.json`), and `EXPRESSLANE_PROMPT_LINEARS` overrides
+it: `rows` (never), `matrix:N` (from N prompt rows), `measure` (the default).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,12 +46,16 @@ class PromptLinears:
         return f"prompt linears {where} ({self.source}{'; oneDNN ' + gains if gains else ''})"
 
 
-ROW_KERNEL = PromptLinears(None, "not measured: the row kernel is not the bf16 dot product")
+ROW_KERNEL = PromptLinears(None, "not measured: no row kernel with a matrix path beside it")
 
 
-def choose(weights: list[torch.Tensor]) -> PromptLinears:
-    """The prompt rows' path for a model whose every layer has linears of these plain bf16
-    weights ([N, K] each: qkv, o, gate_up, down), where they run the bf16 dot product."""
+def choose(
+    kind: str, matrices: list[torch.Tensor], row_kernels: list[Callable] | None = None
+) -> PromptLinears:
+    """The prompt rows' path for a model whose every layer has linears like these: `kind`
+    names their row kernel (it keys the cache), `matrices` are their plain bf16 weights ([N,
+    K] each: qkv, o, gate_up, down), `row_kernels` compute them (x -> y) as decode rows do
+    (default: the bf16 dot product on `matrices`)."""
     forced = os.environ.get(ENV, "measure")
     if forced == "rows":
         return PromptLinears(None, f"set by {ENV}")
@@ -58,34 +63,39 @@ def choose(weights: list[torch.Tensor]) -> PromptLinears:
         return PromptLinears(int(forced.removeprefix("matrix:")), f"set by {ENV}")
     if forced != "measure":
         raise ValueError(f"{ENV}={forced!r}: use rows, matrix:N or measure")
-    key = _key(weights)
+    key = _key(kind, matrices)
     cache = _read_cache()
     if key in cache:
         gains = {int(m): g for m, g in cache[key].items()}
         return PromptLinears(_crossover(gains), "cached", gains)
     log.info("timing the prompt rows' linear kernels (once per machine and layer shapes)")
-    gains = measure(weights)
+    gains = measure(matrices, row_kernels)
     _write_cache({**cache, key: {str(m): g for m, g in gains.items()}})
     return PromptLinears(_crossover(gains), "measured", gains)
 
 
-def measure(weights: list[torch.Tensor]) -> dict[int, float]:
-    """Row-kernel time / matrix time over the four linears, at each of MEASURE_ROWS rows."""
-    built = kernels.cpu_kernels()
-    packed = [built.pack_bf16_dot(w) for w in weights]
+def measure(
+    matrices: list[torch.Tensor], row_kernels: list[Callable] | None = None
+) -> dict[int, float]:
+    """Row-kernel time / matrix time over the four linears, at each of MEASURE_ROWS rows
+    (row kernels: the bf16 dot product on `matrices` unless given)."""
+    if row_kernels is None:
+        built = kernels.cpu_kernels()
+        packed = [built.pack_bf16_dot(w) for w in matrices]
+        row_kernels = [lambda x, p=p: built.bf16_dot_linear(x, p, None) for p in packed]
     gains = {}
     for m in MEASURE_ROWS:
-        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        xs = [torch.randn(m, w.shape[1]) for w in matrices]
 
-        def dot(xs=xs):
-            for x, p in zip(xs, packed, strict=True):
-                built.bf16_dot_linear(x, p, None)
+        def rows(xs=xs):
+            for x, kernel in zip(xs, row_kernels, strict=True):
+                kernel(x)
 
         def matrix(xs=xs):
-            for x, w in zip(xs, weights, strict=True):
+            for x, w in zip(xs, matrices, strict=True):
                 F.linear(x.to(torch.bfloat16), w).float()
 
-        times = _fastest([dot, matrix])
+        times = _fastest([rows, matrix])
         gains[m] = times[0] / times[1]
     return gains
 
@@ -113,10 +123,10 @@ def _fastest(fns) -> list[float]:
     return times
 
 
-def _key(weights: list[torch.Tensor]) -> str:
+def _key(kind: str, matrices: list[torch.Tensor]) -> str:
     flags = sorted(kernels.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    shapes = ",".join("x".join(map(str, w.shape)) for w in weights)
-    return f"{_cpu_name()}|{' '.join(flags)}|torch {torch.__version__}|{shapes}"
+    shapes = ",".join("x".join(map(str, w.shape)) for w in matrices)
+    return f"{_cpu_name()}|{' '.join(flags)}|torch {torch.__version__}|{kind} {shapes}"
 
 
 def _cpu_name() -> str:

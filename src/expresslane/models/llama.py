@@ -14,11 +14,11 @@ from torch import nn
 from expresslane.kernels import linear_choice
 from expresslane.kernels.constants import ScaleKind
 from expresslane.kernels.linear_choice import PromptLinears
-from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan, LinearPath, linear_path
+from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan, LinearPath
 from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig, rope_inv_freq
 from expresslane.models.kv_store import PlainKV
-from expresslane.models.layers import Linear, RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
 from expresslane.quant.linear import Fp4Linear
 
 
@@ -95,25 +95,23 @@ class LlamaModel(nn.Module):
         return self.embed.device
 
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
-        """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`), having
-        chosen which kernel prompt rows take (kernels/linear_choice.py)."""
-        self.prompt_linears = self._choose_prompt_linears(compute_dtype)
+        """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`): the first
+        layer's first, with their bf16 matrices, to choose which kernel prompt rows take
+        (kernels/linear_choice.py); then the rest, with matrices only if that is oneDNN."""
+        first = self.layers[0].linears()
+        for m in first:
+            m.prepare_cpu(compute_dtype, keep_matrix=True)
+        self.prompt_linears = _choose_prompt_linears(first)
         keep = self.prompt_linears.matrix_rows is not None
         layer_linears = {id(m) for m in self.layer_linears()}
         for m in self.modules():
-            if isinstance(m, Linear) and id(m) in layer_linears:
-                m.prepare_cpu(compute_dtype, keep_matrix=keep)
+            if id(m) in layer_linears:
+                if m in first:
+                    m.matrix = m.matrix if keep else None
+                else:
+                    m.prepare_cpu(compute_dtype, keep_matrix=keep)
             elif hasattr(m, "prepare_cpu") and m is not self:
                 m.prepare_cpu(compute_dtype)
-
-    def _choose_prompt_linears(self, compute_dtype: torch.dtype) -> PromptLinears:
-        first = self.layer_linears()[:4]
-        if not all(
-            isinstance(m, Linear) and linear_path(m.weight, compute_dtype) is LinearPath.BF16_DOT
-            for m in first
-        ):
-            return linear_choice.ROW_KERNEL
-        return linear_choice.choose([m.weight.data for m in first])
 
     def bind_kv_cache(self, caches: list) -> None:
         """One KV store per layer (models/kv_store.py); plain tensors are wrapped."""
@@ -145,8 +143,7 @@ class LlamaModel(nn.Module):
             self.layer_stack.set_matrix_prompts(rows, weights)
             return
         for m in self.layer_linears():
-            if isinstance(m, Linear):
-                m.matrix = None
+            m.matrix = None
 
     def layer_linears(self) -> list[nn.Module]:
         return [m for layer in self.layers for m in layer.linears()]
@@ -214,6 +211,17 @@ class LlamaModel(nn.Module):
             self.rotary.sin_signed,
             self.cfg.vocab_size,
         )
+
+
+def _choose_prompt_linears(first: list[nn.Module]) -> PromptLinears:
+    """Where a layer's linears run a row-invariant CPU kernel and kept their bf16 matrices:
+    measured (or cached) against oneDNN on those; else the row kernel."""
+    paths = {m.path for m in first}
+    if any(getattr(m, "matrix", None) is None for m in first) or len(paths) != 1:
+        return linear_choice.ROW_KERNEL
+    (path,) = paths
+    kind = f"{path} {first[0].fmt.name}" if path is LinearPath.FP4_W4A8 else str(path)
+    return linear_choice.choose(kind, [m.matrix for m in first], [m.forward for m in first])
 
 
 def build_layer_stack(model: LlamaModel):

@@ -72,12 +72,15 @@ class Fp4Linear(nn.Module):
         self.out_features = weight.packed.shape[0]
         self.path = LinearPath.FP4_DEQUANTIZE
         self._kernel = None
+        self.matrix: torch.Tensor | None = None  # dequantized bf16, for prompt rows in oneDNN
 
     @property
     def weight_fp4(self) -> Fp4Weight:
         return Fp4Weight(self.fmt, self.packed, self.scales, self.row_scales)
 
-    def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
+    def prepare_cpu(self, compute_dtype: torch.dtype, keep_matrix: bool = False) -> None:
+        """`keep_matrix`: where the FP4 kernel runs, also keep the weight dequantized to bf16,
+        for prompt rows in oneDNN's matmul (kernels/linear_choice.py)."""
         from expresslane.kernels import cpu_kernels
 
         if self.bias is not None:
@@ -85,6 +88,8 @@ class Fp4Linear(nn.Module):
         self.path = fp4_path(compute_dtype)
         if self.path is LinearPath.FP4_W4A8:
             self._kernel = cpu_kernels().fp4_linear
+            if keep_matrix:
+                self.matrix = self.weight_fp4.dequantize(torch.bfloat16).contiguous()
 
     def kernel_weights(self) -> list[torch.Tensor] | None:
         return None if self._kernel is None else [self.packed, self.scales, self.row_scales]
