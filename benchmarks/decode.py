@@ -7,7 +7,7 @@ included), and prompt throughput: prompt tokens / wall time of a one-token gener
 and 16x512 prompt tokens (`--prefill`).
 
     python benchmarks/decode.py [--batches 1,16,32,64,128] [--prefill 1x2048,16x512]
-                                [--rounds 5] [--skip-hf] [--dtype auto]
+                                [--rounds 5] [--skip-hf] [--dtype auto] [--quantization nvfp4]
 
 Batch-1 decode is measured in `--rounds` rounds that alternate the engines (models loaded
 once), and the ratios are medians of per-round ratios: this machine's memory bandwidth drifts
@@ -15,8 +15,8 @@ by tens of percent within minutes, which would otherwise favour whichever engine
 
 transformers runs in the checkpoint's dtype (bf16) and, because bf16 matmuls are slow on CPUs
 without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype="auto" unless
-`--dtype` names another; it decodes greedily unless `--temperature` is set (transformers
-always decodes greedily).
+`--dtype` names another, and the bf16 weights unless `--quantization` names an FP4 format; it
+decodes greedily unless `--temperature` is set (transformers always decodes greedily).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
     llm = LLM(
         str(path),
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=longest,
         max_batch=max(batches),
         max_num_batched_tokens=2048,
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", default="auto", help="expresslane's dtype (auto, bfloat16, ...)")
     ap.add_argument("--temperature", type=float, default=0.0, help="expresslane's sampling")
+    ap.add_argument("--quantization", default=None, help="expresslane's weights: nvfp4, mxfp4")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prefill = [
