@@ -103,14 +103,16 @@ class LlamaModel(nn.Module):
             m.prepare_cpu(compute_dtype, keep_matrix=True)
         self.prompt_linears = _choose_prompt_linears(first)
         keep = self.prompt_linears.matrix_rows is not None
+        for m in first:
+            m.matrix = m.matrix if keep else None
+        prepared = {id(m) for m in first}
         layer_linears = {id(m) for m in self.layer_linears()}
         for m in self.modules():
+            if m is self or id(m) in prepared or not hasattr(m, "prepare_cpu"):
+                continue
             if id(m) in layer_linears:
-                if m in first:
-                    m.matrix = m.matrix if keep else None
-                else:
-                    m.prepare_cpu(compute_dtype, keep_matrix=keep)
-            elif hasattr(m, "prepare_cpu") and m is not self:
+                m.prepare_cpu(compute_dtype, keep_matrix=keep)
+            else:
                 m.prepare_cpu(compute_dtype)
 
     def bind_kv_cache(self, caches: list) -> None:
@@ -138,7 +140,7 @@ class LlamaModel(nn.Module):
         """Hand the plain bf16 weights to the stack where the plan sends prompt rows to
         oneDNN; else free them."""
         rows = self.plan.matrix_prompt_rows
-        weights = [[getattr(m, "matrix", None) for m in la.linears()] for la in self.layers]
+        weights = [[m.matrix for m in la.linears()] for la in self.layers]
         if rows and all(w is not None for ws in weights for w in ws):
             self.layer_stack.set_matrix_prompts(rows, weights)
             return
@@ -217,7 +219,7 @@ def _choose_prompt_linears(first: list[nn.Module]) -> PromptLinears:
     """Where a layer's linears run a row-invariant CPU kernel and kept their bf16 matrices:
     measured (or cached) against oneDNN on those; else the row kernel."""
     paths = {m.path for m in first}
-    if any(getattr(m, "matrix", None) is None for m in first) or len(paths) != 1:
+    if any(m.matrix is None for m in first) or len(paths) != 1:
         return linear_choice.ROW_KERNEL
     (path,) = paths
     kind = f"{path} {first[0].fmt.name}" if path is LinearPath.FP4_W4A8 else str(path)
