@@ -16,7 +16,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <vector>
+#include <algorithm>
+#include <memory>
 
 #include "common.h"
 #include "kernels.h"
@@ -69,19 +70,23 @@ void row_block(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64
   run_tiles<MB, blocks_per_tile<MB>()>(xp, w, K2, y, N, c0, c1, bias);
 }
 
-// x [M, 2 K2] float32 to bf16 pairs (round to nearest even), [M, K2] as uint32.
-std::vector<uint32_t> bf16_pairs(const float* xf, int64_t M, int64_t K2) {
-  std::vector<uint32_t> xb(M * K2);
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t k = 0;
-    for (; k + 32 <= 2 * K2; k += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + m * 2 * K2 + k + 16),
-                                             _mm512_loadu_ps(xf + m * 2 * K2 + k));
-      _mm512_storeu_si512(xb.data() + m * K2 + k / 2, (__m512i)v);
+// x [M, 2 K2] float32 to bf16 pairs (round to nearest even), [M, K2] as uint32; rows split
+// across threads for prompt-sized M (serial, a 2k-row chunk's conversions held the other
+// thread idle), left uninitialized before they are written.
+std::unique_ptr<uint32_t[]> bf16_pairs(const float* xf, int64_t M, int64_t K2) {
+  std::unique_ptr<uint32_t[]> xb(new uint32_t[M * K2]);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K2), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int64_t k = 0;
+      for (; k + 32 <= 2 * K2; k += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + m * 2 * K2 + k + 16),
+                                               _mm512_loadu_ps(xf + m * 2 * K2 + k));
+        _mm512_storeu_si512(xb.get() + m * K2 + k / 2, (__m512i)v);
+      }
+      auto* dst = reinterpret_cast<at::BFloat16*>(xb.get() + m * K2);
+      for (; k < 2 * K2; ++k) dst[k] = at::BFloat16(xf[m * 2 * K2 + k]);  // rounds to nearest even
     }
-    auto* dst = reinterpret_cast<at::BFloat16*>(xb.data() + m * K2);
-    for (; k < 2 * K2; ++k) dst[k] = at::BFloat16(xf[m * 2 * K2 + k]);  // rounds to nearest even
-  }
+  });
   return xb;
 }
 
@@ -107,7 +112,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   x = x.contiguous();
   torch::Tensor bias_holder;
   const float* b = expresslane::float_bias(bias, bias_holder);
-  const std::vector<uint32_t> xb = bf16_pairs(x.data_ptr<float>(), M, K2);
+  const auto xb = bf16_pairs(x.data_ptr<float>(), M, K2);
   auto y = torch::empty({M, N}, x.options());
   const auto* w = reinterpret_cast<const __m512i*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
@@ -124,7 +129,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
       const int64_t passes = (M + 11) / 12;
       for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
         const int64_t rows = (M - m0 + (passes - pass) - 1) / (passes - pass);
-        const uint32_t* xp = xb.data() + m0 * K2;
+        const uint32_t* xp = xb.get() + m0 * K2;
         float* ym = yp + m0 * N;
         m0 += rows;
         switch (rows) {
