@@ -41,16 +41,14 @@ def read_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 7) -> 
 
 def bytes_per_step(engine, context: int) -> int:
     """Weight bytes a batch-1 decode step streams (in the storage the kernels read: the
-    checkpoint dtype, here bf16) plus the KV cache of `context` tokens."""
+    checkpoint dtype, here bf16) plus the KV cache of `context` tokens (in its store)."""
     cfg = engine.model_config
     ckpt_bytes = 2  # bf16 weights
     per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_layer += cfg.num_heads * cfg.head_dim * cfg.hidden_size
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
     head = cfg.vocab_size * cfg.hidden_size
-    kv_elem = torch.finfo(engine.dtype).bits // 8
-    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * kv_elem
-    return (cfg.num_layers * per_layer + head) * ckpt_bytes + kv
+    return (cfg.num_layers * per_layer + head) * ckpt_bytes + engine.kv_bytes_per_token * context
 
 
 def main() -> None:

@@ -251,7 +251,7 @@ def test_fp4_kernel_decodes_every_block_scale(fmt_name):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("q_len", [1, 3, 5])  # decode, speculative verifications
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp4", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8", "fp4", "bfloat16"])
 def test_native_decode_step_matches_the_python_layers(
     tmp_path, monkeypatch, checkpoints, arch, q_len, kv_dtype
 ):
@@ -352,7 +352,7 @@ def test_native_step_runs_prompt_chunks_beside_decodes_as_the_python_layers(
 
     monkeypatch.setattr(attention, "native_decode_attention", lambda q, kv: None)
     bf16_copy(checkpoints[arch], tmp_path)
-    engine = LLM(str(tmp_path), quantization=quantization).engine
+    engine = LLM(str(tmp_path), quantization=quantization, kv_cache_dtype="float32").engine
     monkeypatch.setattr(attention, "native_prompt_attention", lambda q, kv: None)  # SDPA
     model, runner = engine.model, engine.runner
     assert model.plan.tiled_prompts

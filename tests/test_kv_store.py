@@ -29,7 +29,7 @@ def test_compressed_store_round_trip_and_size(dtype, max_err, min_saving):
     for got, want in ((back[0].transpose(0, 1), k), (back[1].transpose(0, 1), v)):
         err = (got - want).norm(dim=-1) / want.norm(dim=-1)
         assert err.max() < max_err
-    bf16 = STORES["auto"].bytes_per_token(2, 64, torch.bfloat16)
+    bf16 = STORES["plain"].bytes_per_token(2, 64, torch.bfloat16)
     assert 1 - store.bytes_per_token(2, 64, torch.float32) / bf16 >= min_saving
 
 
@@ -47,7 +47,7 @@ def _hard_kv(g: torch.Generator, t: int, hkv: int, d: int) -> tuple[torch.Tensor
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
-@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp4", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["plain", "fp8", "fp4", "bfloat16"])
 def test_the_native_write_is_the_stores_write_byte_for_byte(dtype):
     """The C++ decode step's K/V write (kernels/paged_kv.h, reached through the module's
     write_kv) against the store's own `write`, the reference: every byte, values and scales."""
@@ -136,3 +136,23 @@ def test_a_32k_token_request_with_fp4_kv_within_budget(tmp_path):
     assert len(req.output_token_ids) == 4
     assert peak * engine.kv.block_size >= 32_768
     assert peak * engine.kv.block_size * engine.kv_bytes_per_token <= 0.004 * 2**30
+
+
+def test_auto_keeps_the_models_dtype(llama_dir):
+    """ "auto" stores bf16 rows for a bf16 model computed in float32 (a CPU's choice), the
+    compute dtype otherwise; "float32" asks for float32 rows and needs float32 compute."""
+    from expresslane.models.kv_store import store_name
+
+    assert store_name("auto", "bfloat16", torch.float32) == "bfloat16"
+    assert store_name("auto", "float32", torch.float32) == "plain"
+    assert store_name("auto", "bfloat16", torch.bfloat16) == "plain"
+    assert store_name("float32", "bfloat16", torch.float32) == "plain"
+    assert store_name("fp8", "bfloat16", torch.float32) == "fp8"
+    with pytest.raises(InvalidRequestError, match="float32 compute"):
+        store_name("float32", "bfloat16", torch.bfloat16)
+    engine = LLM(str(llama_dir), dtype="bfloat16").engine
+    assert engine.kv_store == "bfloat16"
+    assert type(engine.runner.kv_caches[0]).__name__ == "Bf16KV"
+    assert engine.kv_bytes_per_token == 2 * engine.model_config.num_layers * (
+        engine.model_config.num_kv_heads * engine.model_config.head_dim * 2
+    )

@@ -105,8 +105,9 @@ def _format_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=None,
-        help="store the KV cache compressed: fp8 (E4M3, a scale per token and head) or fp4 "
-        "(E2M1, an E4M3 scale per 16 values)",
+        help="KV cache storage: auto (the model's dtype: bf16 rows for a bf16 model computed in "
+        "float32), float32, bfloat16, or compressed: fp8 (E4M3, a scale per token and head) or "
+        "fp4 (E2M1, an E4M3 scale per 16 values)",
     )
     p.add_argument(
         "--speculative",

@@ -30,7 +30,7 @@ class EngineConfig:
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py
     calibrate: bool = True  # time synthetic steps at server start for the step-latency model
     quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
-    kv_cache_dtype: str = "auto"  # "fp8" / "fp4": compressed KV blocks (models/kv_store.py)
+    kv_cache_dtype: str = "auto"  # the model's dtype; float32, bfloat16, fp8, fp4 (kv_store.py)
     max_queue_seconds: float | None = None  # not started by then: fails (serve: 60 s)
 
     @classmethod

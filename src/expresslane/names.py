@@ -10,4 +10,5 @@ DTYPES = {  # a dtype a user may pass -> its torch name
     "fp32": "float32",
 }
 QUANTIZATIONS = ("nvfp4", "mxfp4")  # block-scaled FP4 weight formats (quant/formats.py)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp4", "bfloat16")  # KV cache storage (models/kv_store.py)
+# KV cache storage (models/kv_store.py)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp4")

@@ -27,6 +27,7 @@ from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
+from expresslane.models.kv_store import store_name
 from expresslane.sampling_params import SamplingParams
 from expresslane.spec import SpecConfig, make_proposer
 from expresslane.spec.draft import DraftModelProposer
@@ -48,7 +49,7 @@ class LLMEngine:
         num_blocks, max_len = self._size_kv_cache(config, mcfg, max_len)
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        cache = CacheConfig(num_blocks, config.block_size, config.kv_cache_dtype)
+        cache = CacheConfig(num_blocks, config.block_size, self.kv_store)
         self.model.batch_invariant = config.batch_invariant
         self.runner = ModelRunner(self.model, cache, config.seed)
         if config.batch_invariant and not self.model.plan.batch_invariant:
@@ -94,7 +95,9 @@ class LLMEngine:
 
     def _size_kv_cache(self, config: EngineConfig, mcfg: ModelConfig, max_len: int):
         """(KV blocks, context length): the context shrinks to what the blocks hold."""
-        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        asked = mcfg.torch_dtype if config.dtype == "auto" else config.dtype
+        self.kv_store = store_name(config.kv_cache_dtype, asked, self.dtype)
+        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, self.kv_store)
         self.kv_bytes_per_token = per_block // config.block_size
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
         capacity = num_blocks * config.block_size

@@ -24,9 +24,9 @@ from expresslane.models.llama import LlamaModel
 
 
 def kv_bytes_per_block(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, store: str = "plain"
 ) -> int:
-    per_token = STORES[kv_cache_dtype].bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_token = STORES[store].bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype)
     return cfg.num_layers * block_size * per_token
 
 
@@ -46,11 +46,11 @@ def _uniform_group(items):
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache a runner allocates: blocks of `block_size` slots, in the store
-    `kv_cache_dtype` names (models/kv_store.py)."""
+    named `store` (models/kv_store.py, STORES)."""
 
     num_blocks: int
     block_size: int
-    kv_cache_dtype: str = "auto"
+    store: str = "plain"
 
 
 class ModelRunner:
@@ -61,7 +61,7 @@ class ModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         slots = cache.num_blocks * cache.block_size
-        store = STORES[cache.kv_cache_dtype]
+        store = STORES[cache.store]
         self.kv_caches = [
             store(cfg.num_kv_heads, slots, cfg.head_dim, self.dtype, self.device)
             for _ in range(cfg.num_layers)

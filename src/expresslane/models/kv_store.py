@@ -4,10 +4,13 @@ Slots are the same in every format (slot = block id * block_size + offset), so p
 caching and speculative rollback do not care. A store writes the new tokens' K/V at their
 slots and reads any slots back as [2, num_kv_heads, n, head_dim] in the compute dtype:
 
-- `PlainKV` (`kv_cache_dtype="auto"`): the compute dtype.
-- `Bf16KV` (`"bfloat16"`): bf16 rows under a float32 compute dtype: half the memory per token
-  and half the bytes a decode reads (the C++ attention widens rows in registers as it reads
-  them; at a 4k context a decode step is 1.39x as fast as over float32 rows, BENCHMARKS.md).
+- `PlainKV`: the compute dtype (`kv_cache_dtype="float32"` under float32 compute; what
+  `"auto"` takes unless the next line applies).
+- `Bf16KV` (`"bfloat16"`, and `"auto"` for a bf16 model computed in float32, as on a CPU:
+  the model's dtype, vLLM's meaning of "auto"): bf16 rows under a float32 compute
+  dtype: half the memory per token and half the bytes a decode reads (the C++ attention widens
+  rows in registers as it reads them; at a 4k context a decode step is 1.39x as fast as over
+  float32 rows, BENCHMARKS.md).
 - `Fp8KV` (`"fp8"`): FP8 E4M3 values with one float16 scale per token and head
   (amax / 448): D + 2 bytes per head vector instead of 2D in bf16 (48% less at D = 64).
 - `Fp4KV` (`"fp4"`): E2M1 codes, two per byte, with an E4M3 scale per 16 values (amax / 6),
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from expresslane import names
+from expresslane.errors import InvalidRequestError
 from expresslane.kernels.constants import KVKind
 from expresslane.quant.formats import (
     E2M1_MAX,
@@ -171,4 +175,19 @@ class Fp4KV:
         return [self.codes, self.scales] if self.dtype == torch.float32 else None
 
 
-STORES = {"auto": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV, "bfloat16": Bf16KV}
+STORES = {"plain": PlainKV, "fp8": Fp8KV, "fp4": Fp4KV, "bfloat16": Bf16KV}
+
+
+def store_name(kv_cache_dtype: str, model_dtype: str, compute: torch.dtype) -> str:
+    """The STORES key a `kv_cache_dtype` takes for a model of `model_dtype` (the dtype asked
+    for, or the checkpoint's under dtype="auto") computed in `compute`."""
+    if kv_cache_dtype == "auto":
+        keep_bf16 = compute == torch.float32 and model_dtype == "bfloat16"
+        return "bfloat16" if keep_bf16 else "plain"
+    if kv_cache_dtype == "float32":
+        if compute != torch.float32:
+            raise InvalidRequestError(
+                f"kv_cache_dtype float32 needs float32 compute; this model computes in {compute}"
+            )
+        return "plain"
+    return kv_cache_dtype
