@@ -96,12 +96,12 @@ def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     return out
 
 
-def bf16_copy(src: Path, dst: Path) -> Path:
-    """The checkpoint at `src` saved again in bf16 by `transformers` (the format the CPU
-    kernels and the native decode step take)."""
+def bf16_copy(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The checkpoint at `src` saved again in bf16 (or `dtype`) by `transformers` (the format
+    the CPU kernels and the native decode step take)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     model.save_pretrained(dst)
     return dst
 

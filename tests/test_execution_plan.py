@@ -113,3 +113,33 @@ def test_bfloat16_asked_for_takes_the_kernels(llama_bf16_dir):
     bf16_kv = LLM(str(llama_bf16_dir), dtype="bfloat16", kv_cache_dtype="bfloat16").engine
     assert "Bf16KV" in bf16_kv.model.plan.describe() and bf16_kv.model.layer_stack is not None
     assert all(store.tensor.dtype == torch.bfloat16 for store in bf16_kv.runner.kv_caches)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
+def test_float16_takes_the_row_kernel_in_the_stack(tmp_path, llama_dir):
+    """A float16 checkpoint on a CPU: float32 activations, its float16 weights read by the row
+    kernel (widened exactly) in the layer stack for decodes; the tokens and log-probabilities
+    of the same weights in float32, and the same tokens with speculation."""
+    from expresslane import LLM, SamplingParams
+
+    from .conftest import bf16_copy, random_prompts
+
+    fp16 = str(bf16_copy(llama_dir, tmp_path / "fp16", torch.float16))
+    llm = LLM(fp16)
+    model = llm.engine.model
+    assert llm.engine.dtype == torch.float32 and model.layer_stack is not None
+    assert set(model.plan.linears) == {P.F16_ROWS} and model.plan.stack_rows > 0
+    assert llm.engine.kv_store == "plain"  # no float16 KV store: float32 rows
+    prompts = random_prompts(4, 10, 30, seed=9)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    got = llm.generate(prompts, params)
+    want = LLM(fp16, dtype="float32").generate(prompts, params)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        x, y = ([e["token"] for e in o.logprobs] for o in (a, b))
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-3, rtol=0)
+    spec = {"method": "ngram", "num_tokens": 4, "max_batch": None}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    repeats = [p + p[:6] for p in prompts]
+    spec_out = LLM(fp16, speculative=spec).generate(repeats, params)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in llm.generate(repeats, params)]

@@ -36,11 +36,11 @@ def test_the_modules_constants_are_the_python_enums():
     assert (MXFP4.kernel_scale_kind, NVFP4.kernel_scale_kind) == (ScaleKind.E8M0, ScaleKind.E4M3)
 
 
-def _random_linear(m: int, n: int, k: int, bias: bool):
-    """x [m, k] float32, w [n, k] bf16 and an optional bias, seeded by the shape."""
+def _random_linear(m: int, n: int, k: int, bias: bool, dtype=torch.bfloat16):
+    """x [m, k] float32, w [n, k] in `dtype` (bf16) and an optional bias, seeded by the shape."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(dtype)
     return x, w, torch.randn(n, generator=g) if bias else None
 
 
@@ -48,26 +48,29 @@ def _random_linear(m: int, n: int, k: int, bias: bool):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13])
 @pytest.mark.parametrize("n, k", [(64, 64), (131, 96), (37, 203)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_matches_float32_reference(m, n, k, bias):
-    x, w, b = _random_linear(m, n, k, bias)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linear_matches_float32_reference(m, n, k, bias, dtype):
+    """The row kernel over bf16 or float16 weights: the float32 matmul of the same values."""
+    x, w, b = _random_linear(m, n, k, bias, dtype)
     ref = F.linear(x, w.float(), b)
-    torch.testing.assert_close(kernels.bf16_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.half_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernels
 @pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() != "AVX512", reason="batch invariance is AVX-512's"
 )
-def test_bf16_linear_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linear_rows_do_not_depend_on_the_batch(dtype):
     """Each output row is summed in the same order at any batch size: bit-identical alone and
     batched, so a speculative verification reproduces plain decoding exactly."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(16, 229, generator=g)  # 229 = 3 * 64 + 2 * 16 + 5: every tail
-    w = torch.randn(131, 229, generator=g).bfloat16()
+    w = torch.randn(131, 229, generator=g).to(dtype)
     b = torch.randn(131, generator=g)
-    alone = torch.cat([kernels.bf16_linear(x[i : i + 1], w, b) for i in range(16)])
+    alone = torch.cat([kernels.half_linear(x[i : i + 1], w, b) for i in range(16)])
     for m in (2, 3, 5, 8, 16):
-        assert torch.equal(kernels.bf16_linear(x[:m], w, b), alone[:m])
+        assert torch.equal(kernels.half_linear(x[:m], w, b), alone[:m])
 
 
 needs_dot = pytest.mark.skipif(
@@ -125,7 +128,7 @@ def test_linear_runs_the_kernels_on_bf16_weights():
     lin = Linear(w.clone(), torch.randn(96))
     bias = lin.bias.data.clone()
     lin.prepare_cpu(torch.float32)
-    assert lin._bf16_kernel is not None
+    assert lin._half_kernel is not None
     dot = kernels.bf16_dot_available()  # then x is rounded to bf16
     assert lin.path is (LinearPath.BF16_DOT if dot else LinearPath.BF16_ROWS)
     assert lin.kernel_weights()[0].dim() == (3 if dot else 2)

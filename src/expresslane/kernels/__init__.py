@@ -133,6 +133,7 @@ def cpu_kernels():
             "-O3",
             "-mavx2",
             "-mfma",
+            "-mf16c",
             "-ffp-contract=off",
             "-fopenmp",
             *ISA_FLAGS.get(isa, []),

@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy", &LayerStack::greedy, NoGil());
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place", NoGil());
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)", NoGil());
-  m.def("bf16_linear", &bf16_linear, "x (fp32) @ W^T (bf16) + b, for small batches (AVX2+FMA or AVX-512)", NoGil());
+  m.def("half_linear", &half_linear, "x (fp32) @ W^T (bf16 or fp16) + b, for small batches (AVX2+FMA+F16C or AVX-512)", NoGil());
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
   m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]", NoGil());
   m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)", NoGil());

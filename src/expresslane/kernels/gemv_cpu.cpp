@@ -1,11 +1,12 @@
 // Small-batch linear layers for CPUs with AVX2 + FMA, and AVX-512 where built with it:
-// y = x W^T (+ b), x float32 [M, K], W bfloat16 [N, K] (row-major, as stored by Hugging
-// Face), y float32 [M, N].
+// y = x W^T (+ b), x float32 [M, K], W bfloat16 or float16 [N, K] (row-major, as stored by
+// Hugging Face), y float32 [M, N].
 //
 // At decode batch sizes a linear layer is a matrix-vector product bound by the bytes of W
-// it reads. Keeping W in bf16 halves those bytes against float32. Each chunk of W is widened
-// to float32 in registers (a 16-bit shift) and fed to float32 FMAs. CPUs with AVX-512 BF16
-// run bf16dot_cpu.cpp instead, whose dot product rounds x to bf16.
+// it reads. Keeping W in 16 bits halves those bytes against float32. Each chunk of W is
+// widened to float32 in registers (bf16: a 16-bit shift; float16: F16C's conversion, exact)
+// and fed to float32 FMAs. CPUs with AVX-512 BF16 run bf16 weights in bf16dot_cpu.cpp
+// instead, whose dot product rounds x to bf16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,14 +19,15 @@ namespace {
 using expresslane::hsum;
 using expresslane::load_bf16x8;
 
-inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
+// 8 (16) weights widened to float32
+inline __m256 widen8(const at::BFloat16* p) { return load_bf16x8(p); }
+inline __m256 widen8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // One row of W against M input vectors. The row is read front to back with U independent
 // accumulator chains per vector, and the line 1 KB ahead is prefetched: a single sequential
 // stream per core, which streams from DRAM ~1.8x faster than interleaving several rows.
-template <int M, int U>
-inline void row_kernel(const float* x, const at::BFloat16* row, float* y, int64_t K, int64_t N,
-                       int64_t n, const float* bias) {
+template <int M, int U, typename W>
+inline void row_kernel(const float* x, const W* row, float* y, int64_t K, int64_t N, int64_t n, const float* bias) {
   __m256 acc[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
@@ -33,7 +35,7 @@ inline void row_kernel(const float* x, const at::BFloat16* row, float* y, int64_
   for (; k + 8 * U <= K; k += 8 * U) {
     _mm_prefetch(reinterpret_cast<const char*>(row + k) + 1024, _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
-      const __m256 wv = load_bf16x8(row + k + 8 * u);
+      const __m256 wv = widen8(row + k + 8 * u);
       for (int m = 0; m < M; ++m)
         acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
     }
@@ -42,7 +44,7 @@ inline void row_kernel(const float* x, const at::BFloat16* row, float* y, int64_
     __m256 sum = acc[m][0];
     for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
     float s = hsum(sum);
-    for (int64_t j = k; j < K; ++j) s += bf16_to_float(row[j]) * x[m * K + j];
+    for (int64_t j = k; j < K; ++j) s += static_cast<float>(row[j]) * x[m * K + j];
     y[m * N + n] = s + (bias ? bias[n] : 0.0f);
   }
 }
@@ -56,9 +58,13 @@ constexpr int kChains512 = 4;
 
 using expresslane::load_bf16x16;
 
-template <int M>
-inline void row_kernel512(const float* x, const at::BFloat16* row, float* y, int64_t K, int64_t N, int64_t n,
-                          const float* bias) {
+inline __m512 widen16(const at::BFloat16* p) { return load_bf16x16(p); }
+inline __m512 widen16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int M, typename W>
+inline void row_kernel512(const float* x, const W* row, float* y, int64_t K, int64_t N, int64_t n, const float* bias) {
   constexpr int U = kChains512;
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m)
@@ -68,24 +74,25 @@ inline void row_kernel512(const float* x, const at::BFloat16* row, float* y, int
     for (int u = 0; u < U; u += 2)  // 64 weights = two lines, 1 KB ahead
       _mm_prefetch(reinterpret_cast<const char*>(row + k + 16 * u) + 1024, _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
-      const __m512 wv = load_bf16x16(row + k + 16 * u);
+      const __m512 wv = widen16(row + k + 16 * u);
       for (int m = 0; m < M; ++m)
         acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
     }
   }
   for (int u = 0; k + 16 <= K; k += 16, ++u) {  // at most three whole 16-blocks left
-    const __m512 wv = load_bf16x16(row + k);
+    const __m512 wv = widen16(row + k);
     for (int m = 0; m < M; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m][u]);
   }
   for (int m = 0; m < M; ++m) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
     float s = _mm512_reduce_add_ps(sum);
-    for (int64_t j = k; j < K; ++j) s += bf16_to_float(row[j]) * x[m * K + j];
+    for (int64_t j = k; j < K; ++j) s += static_cast<float>(row[j]) * x[m * K + j];
     y[m * N + n] = s + (bias ? bias[n] : 0.0f);
   }
 }
 
-void gemv512(const float* x, const at::BFloat16* w, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
+template <typename W>
+void gemv512(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, const float* bias) {
   // each thread runs every pass over its range of weight rows, which stays in L2 between them
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     expresslane::for_row_blocks<4>(M, [&](int64_t m0, int64_t mb) {
@@ -104,8 +111,8 @@ void gemv512(const float* x, const at::BFloat16* w, float* y, int64_t M, int64_t
 }
 #endif
 
-template <int M>
-void gemv(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t N, const float* bias) {
+template <int M, typename W>
+void gemv(const float* x, const W* w, float* y, int64_t K, int64_t N, const float* bias) {
   // U independent FMA chains per row hide the FMA latency. From M = 7 the M * U accumulators
   // outgrow the 16 ymm registers and a few spill, which still measured faster than U = 1
   // (whose M chains stall on latency) at the verification widths 5-8.
@@ -115,26 +122,16 @@ void gemv(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t N,
   });
 }
 
-}  // namespace
-
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kBFloat16, "x fp32, w bf16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes [M,K] x [N,K]");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_holder;
-  const float* b = expresslane::float_bias(bias, bias_holder);
-  const auto* wp = w.data_ptr<at::BFloat16>();
+template <typename W>
+void half_gemv(const float* x, const W* wp, float* y, int64_t M, int64_t K, int64_t N, const float* b) {
 #ifdef __AVX512F__
-  gemv512(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, K, N, b);
-  return y;
+  gemv512(x, wp, y, M, K, N, b);
+  return;
 #endif
   // Up to 8 rows per pass over W: a speculative verification (k+1 rows) reads W once.
   expresslane::for_row_blocks<8>(M, [&](int64_t m0, int64_t mb) {
-    const float* xp = x.data_ptr<float>() + m0 * K;
-    float* yp = y.data_ptr<float>() + m0 * N;
+    const float* xp = x + m0 * K;
+    float* yp = y + m0 * N;
     switch (mb) {
       case 1: gemv<1>(xp, wp, yp, K, N, b); break;
       case 2: gemv<2>(xp, wp, yp, K, N, b); break;
@@ -146,5 +143,23 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
       default: gemv<8>(xp, wp, yp, K, N, b); break;
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor half_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kBFloat16 || w.dtype() == torch::kHalf),
+              "x fp32, w bf16 or fp16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes [M,K] x [N,K]");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bias_holder;
+  const float* b = expresslane::float_bias(bias, bias_holder);
+  if (w.dtype() == torch::kHalf)
+    half_gemv(x.data_ptr<float>(), w.data_ptr<at::Half>(), y.data_ptr<float>(), M, K, N, b);
+  else
+    half_gemv(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N, b);
   return y;
 }

@@ -4,8 +4,8 @@
 
 #include <vector>
 
-// gemv_cpu.cpp: x (fp32) @ W^T (bf16 [N, K]) + b, for small batches (AVX2+FMA or AVX-512).
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+// gemv_cpu.cpp: x (fp32) @ W^T (bf16 or fp16 [N, K]) + b, for small batches (AVX2+FMA or AVX-512).
+torch::Tensor half_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 // bf16dot_cpu.cpp: bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32].
 torch::Tensor pack_bf16_dot(torch::Tensor w);

@@ -31,6 +31,7 @@ class LinearPath(enum.StrEnum):
 
     BF16_DOT = "bf16-dot"  # AVX-512 BF16 dot products on packed bf16 weights, every batch
     BF16_ROWS = "bf16-rows"  # the bf16 row kernel up to ROW_KERNEL_ROWS rows, then oneDNN
+    F16_ROWS = "f16-rows"  # the same over float16 weights
     ONEDNN = "onednn"  # oneDNN on weights prepacked in the compute dtype
     TORCH = "torch"  # F.linear
     FP4_W4A8 = "fp4-w4a8"  # kernels/fp4_cpu.cpp: FP4 codes expanded in registers, every batch
@@ -39,8 +40,10 @@ class LinearPath(enum.StrEnum):
 
 # Paths whose rows come out the same whatever the batch beside them
 ROW_INVARIANT = frozenset({LinearPath.BF16_DOT, LinearPath.FP4_W4A8})
+# The row kernel over 16-bit weights (gemv_cpu.cpp) up to ROW_KERNEL_ROWS rows, then oneDNN
+ROW_PATHS = frozenset({LinearPath.BF16_ROWS, LinearPath.F16_ROWS})
 # Paths the C++ layer stack runs (it is built when every layer linear takes one)
-STACK_PATHS = ROW_INVARIANT | {LinearPath.BF16_ROWS}
+STACK_PATHS = ROW_INVARIANT | ROW_PATHS
 
 
 @functools.cache
@@ -61,17 +64,19 @@ def compute_dtypes(
     """(compute dtype, linear weight storage dtype) for a checkpoint in `dtype`, or asked for
     it (`auto` False).
 
-    On CPU, bf16 (the checkpoint's, or asked for) computes in float32 and keeps its bf16 linear
-    weights where the CPU kernels build: decode batches run the layer stack, which reads the
-    bf16 bytes and sums in float32 (with AVX-512 BF16, products of bf16-rounded activations):
-    141 against 69 tok/s for bf16 compute at batch 1 on an AVX-512 BF16 CPU (SmolLM2-135M). A
-    half dtype without kernels computes in float32 only where its matmuls are slow (no oneDNN
-    prepacking for it) and it was not asked for."""
+    On CPU, bf16 or float16 (the checkpoint's, or asked for) computes in float32 and keeps its
+    16-bit linear weights where the CPU kernels build: decode batches run the layer stack,
+    which reads the 16-bit bytes and sums in float32 (with AVX-512 BF16, products of
+    bf16-rounded activations for bf16 weights): 141 against 69 tok/s for bf16 compute at batch
+    1 on an AVX-512 BF16 CPU (SmolLM2-135M). Without the kernels a half dtype computes in
+    float32 only where its matmuls are slow (no oneDNN prepacking for it) and it was not asked
+    for."""
     cpu = device.type == "cpu"
-    bf16_kernels = cpu and dtype == torch.bfloat16 and kernels.cpu_kernels() is not None
-    upcast = auto and cpu and dtype != torch.float32 and not onednn_prepack_supported(dtype)
-    if bf16_kernels or upcast:
-        return torch.float32, dtype if dtype == torch.bfloat16 else torch.float32
+    half = dtype in (torch.bfloat16, torch.float16)
+    if cpu and half and kernels.cpu_kernels() is not None:
+        return torch.float32, dtype
+    if auto and cpu and dtype != torch.float32 and not onednn_prepack_supported(dtype):
+        return torch.float32, torch.float32
     return dtype, dtype
 
 
@@ -88,13 +93,16 @@ def linear_path(weight: torch.Tensor, compute_dtype: torch.dtype) -> LinearPath:
     dot-product kernel (kernels/bf16dot_cpu.cpp), which rounds the activations to bf16 as
     oneDNN's bf16 matmul does and is faster than it at every batch size measured (0.2-0.97x
     its time from 1 to 512 rows, benchmarks/native_steps.py). Without AVX-512 BF16 the row
-    kernel takes small batches (it moves half the bytes of a float32 matmul)."""
-    if weight.dtype == torch.bfloat16 and compute_dtype == torch.float32:
-        built = kernels.cpu_kernels()
-        if built is not None and built.bf16_dot_available() and _dot_packable(weight):
+    kernel takes small batches (it moves half the bytes of a float32 matmul); float16 weights
+    take it too (widened exactly, F16C), larger batches oneDNN on a float32 copy."""
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    built = kernels.cpu_kernels() if half and compute_dtype == torch.float32 else None
+    if built is not None and weight.dtype == torch.bfloat16:
+        if built.bf16_dot_available() and _dot_packable(weight):
             return LinearPath.BF16_DOT
-        if built is not None:  # the row kernel takes any shape
-            return LinearPath.BF16_ROWS
+        return LinearPath.BF16_ROWS  # the row kernel takes any shape
+    if built is not None and weight.dtype == torch.float16:
+        return LinearPath.F16_ROWS
     return dense_path(compute_dtype)
 
 

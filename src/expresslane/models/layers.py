@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expresslane.kernels.plan import ROW_KERNEL_ROWS, LinearPath, dense_path, linear_path
+from expresslane.kernels.plan import (
+    ROW_KERNEL_ROWS,
+    ROW_PATHS,
+    LinearPath,
+    dense_path,
+    linear_path,
+)
 
 
 class Linear(nn.Module):
@@ -22,8 +28,8 @@ class Linear(nn.Module):
         self.out_features = weight.shape[0]
         self.path = LinearPath.TORCH
         self._packed: torch.Tensor | None = None  # oneDNN's blocked layout
-        self._bf16: torch.Tensor | None = None  # what the bf16 kernel reads
-        self._bf16_kernel = None
+        self._half: torch.Tensor | None = None  # what the bf16/fp16 row or dot kernel reads
+        self._half_kernel = None
         self.matrix: torch.Tensor | None = None  # plain bf16, for prompt rows in oneDNN
 
     def prepare_cpu(self, compute_dtype: torch.dtype, keep_matrix: bool = False) -> None:
@@ -37,12 +43,12 @@ class Linear(nn.Module):
         self.path = linear_path(w, compute_dtype)
         if self.path is LinearPath.BF16_DOT:
             kernels = cpu_kernels()
-            self._bf16, self._bf16_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
+            self._half, self._half_kernel = kernels.pack_bf16_dot(w), kernels.bf16_dot_linear
             self.matrix = w.contiguous() if keep_matrix else None
             self.weight = None
             return
-        if self.path is LinearPath.BF16_ROWS:
-            self._bf16, self._bf16_kernel = w, cpu_kernels().bf16_linear
+        if self.path in ROW_PATHS:
+            self._half, self._half_kernel = w, cpu_kernels().half_linear
         w = w.to(compute_dtype)
         if dense_path(compute_dtype) is LinearPath.ONEDNN:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
@@ -52,13 +58,13 @@ class Linear(nn.Module):
 
     def kernel_weights(self) -> list[torch.Tensor] | None:
         """What the C++ layer stack needs to run this layer, or None if it cannot."""
-        return None if self._bf16_kernel is None else [self._bf16]
+        return None if self._half_kernel is None else [self._half]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.path is LinearPath.BF16_DOT or (
-            self.path is LinearPath.BF16_ROWS and x.shape[0] <= ROW_KERNEL_ROWS
+            self.path in ROW_PATHS and x.shape[0] <= ROW_KERNEL_ROWS
         ):
-            return self._bf16_kernel(x, self._bf16, self.bias)
+            return self._half_kernel(x, self._half, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [None], ""
