@@ -21,7 +21,9 @@ using expresslane::load_bf16x8;
 
 // 8 (16) weights widened to float32
 inline __m256 widen8(const at::BFloat16* p) { return load_bf16x8(p); }
-inline __m256 widen8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 widen8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // One row of W against M input vectors. The row is read front to back with U independent
 // accumulator chains per vector, and the line 1 KB ahead is prefetched: a single sequential
