@@ -72,10 +72,11 @@ void row_block(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64
 
 // x [M, 2 K2] float32 to bf16 pairs (round to nearest even), [M, K2] as uint32; rows split
 // across threads for prompt-sized M (serial, a 2k-row chunk's conversions held the other
-// thread idle), left uninitialized before they are written.
+// thread idle; decode batches stay in this thread: a parallel region costs more than their
+// conversion), left uninitialized before they are written.
 std::unique_ptr<uint32_t[]> bf16_pairs(const float* xf, int64_t M, int64_t K2) {
   std::unique_ptr<uint32_t[]> xb(new uint32_t[M * K2]);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K2), [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 131072 / K2), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       int64_t k = 0;
       for (; k + 32 <= 2 * K2; k += 32) {
