@@ -525,6 +525,31 @@ def test_a_kernel_build_reports_its_progress(caplog):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 1, 128), (6, 2, 32)])
+@pytest.mark.parametrize("kind", ["float32", "bf16"])
+def test_a_decode_row_attends_the_same_alone_and_in_a_batch(heads, kv_heads, d, kind):
+    """A sequence decoded alone attends exactly as inside a batch, whatever work items and
+    threads its rows fall to (greedy tokens do not depend on the batch)."""
+    from expresslane.kernels.constants import KVKind
+
+    g = torch.Generator().manual_seed(heads * d)
+    slots_total, length = 3000, 2500
+    cache = torch.randn(2, kv_heads, slots_total, d, generator=g)
+    native = [cache] if kind == "float32" else [cache.bfloat16()]
+    kind_id = 0 if kind == "float32" else int(KVKind.BF16)
+    batch = 4 * torch.get_num_threads() + 1
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:length] for _ in range(batch)])
+    starts = torch.randint(1000, length, (batch,), generator=g)
+    q = torch.randn(batch, heads, d, generator=g)
+    together = kernels.decode_attention(q, native, kind_id, slots.view(-1), length, 1, starts)
+    for b in range(batch):
+        alone = kernels.decode_attention(
+            q[b : b + 1], native, kind_id, slots[b], length, 1, starts[b : b + 1]
+        )
+        assert torch.equal(together[b], alone[0]), b
+
+
+@needs_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d"), [(6, 2, 64), (4, 2, 32), (4, 1, 128), (3, 3, 64)]
 )
