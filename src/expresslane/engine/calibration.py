@@ -32,9 +32,12 @@ def calibrate(engine: LLMEngine) -> None:
     largest = max(la.max_batch for la in engine.lanes.values() if la.enabled)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(largest, engine.config.max_batch)]
     prompt_len = max(1, min(32, (engine.max_model_len - 8) // 4))  # prompts of 1-4x this
-    # The first sweep warms up (the first steps of a process run slower: 20% for a decode
-    # alone on the demo model) and is not kept.
-    runs = sizes * (1 + CALIBRATION_ROUNDS)
+    # A request alone after every batch size: the solo samples spread over the whole sweep,
+    # so a moment of load on the machine (other threads of a starting server) moves few of
+    # them. The first sweep warms up (the first steps of a process run slower: 20% for a
+    # decode alone on the demo model) and is not kept.
+    sweep = [n for b in sizes for n in ((b,) if b == 1 else (b, 1))]
+    runs = sweep * (1 + CALIBRATION_ROUNDS)
     try:
         for i, b in enumerate(runs):
             if (
@@ -42,9 +45,9 @@ def calibrate(engine: LLMEngine) -> None:
                 > engine.kv.num_free_blocks
             ):
                 continue
-            if i == len(sizes):
+            if i == len(sweep):
                 engine.step_model.forget_live()  # the warm-up's steps
-            engine._calibrating = i >= len(sizes)
+            engine._calibrating = i >= len(sweep)
             params = SamplingParams(
                 max_tokens=SOLO_TOKENS if b == 1 else 4, temperature=0.0, ignore_eos=True
             )
