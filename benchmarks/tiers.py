@@ -20,6 +20,7 @@ default throughput against the target.
 Token times are client-side, from SSE chunks (`logprobs` gives the tokens in each chunk).
 
     python benchmarks/tiers.py [--starts 3] [--streams 32] [--ultrafast 10] [--targets 60,90]
+    python benchmarks/tiers.py --calibration-only --starts 8    # the auto targets' spread alone
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ async def one_start(args, http, port: int, target: float | None) -> dict:
     server = Server(args, port, flags)
     try:
         lane_targets = await server.ready(http)
+        if args.calibration_only:
+            return {"ultrafast_target_tokens_per_s": lane_targets["ultrafast"]}
         speeds = await solo_speeds(args, server, http)
         run = await run_phases(args, server, http)
         await asyncio.sleep(1.0)  # the cancelled default streams are aborted
@@ -218,7 +221,10 @@ async def main_async(args) -> dict:
         for i, target in enumerate(targets):
             run = await one_start(args, http, args.port + i, target)
             results["runs"].append(run)
-            report(run)
+            if args.calibration_only:
+                print(f"start {i + 1}: target {run['ultrafast_target_tokens_per_s']:.0f} tok/s")
+            else:
+                report(run)
     auto = [r["ultrafast_target_tokens_per_s"] for r in results["runs"][: args.starts]]
     mid = statistics.median(auto)
     results["auto_targets"] = {"values": auto, "spread": [t / mid - 1 for t in auto]}
@@ -258,7 +264,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--targets", default="", help="more ultrafast targets (tokens/s) to run")
     ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument(
+        "--calibration-only", action="store_true", help="only start and read the auto targets"
+    )
     args = ap.parse_args()
+    if args.calibration_only:
+        args.targets = ""
     results = asyncio.run(main_async(args))
     path = save_results("tiers", results)
     print(f"results: {Path(path)}")
