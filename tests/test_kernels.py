@@ -471,6 +471,37 @@ def test_decode_attention_matches_the_torch_path(store_name, q_len):
     torch.testing.assert_close(attn._decode(q, meta), mine, atol=0, rtol=0)  # it is used
 
 
+@needs_kernels
+@pytest.mark.parametrize("store_name", ["PlainKV", "Bf16KV", "Fp8KV"])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_long_rows_attend_in_segments_as_the_reference(store_name, q_len):
+    """Rows seeing more than a key segment (1,024 positions) of a cache read in place attend
+    segment by segment and merge (FP8 ones whole): against float64 softmax(q k / sqrt(D)) v
+    over the store's own values, at contexts on both sides of segment boundaries (a
+    verification's rows straddling one)."""
+    from expresslane.models import kv_store
+
+    g = torch.Generator().manual_seed(q_len)
+    heads, kv_heads, d, n = 6, 2, 64, 3200
+    store = getattr(kv_store, store_name)(kv_heads, n, d, torch.float32, "cpu")
+    store.write(*(torch.randn(n, kv_heads, d, generator=g) for _ in range(2)), torch.arange(n))
+    starts = torch.tensor([1020, 1023, 1024, 2046, 3100])
+    length = int(starts.max()) + q_len
+    slots = torch.stack([torch.randperm(n, generator=g)[:length] for _ in starts])
+    q = torch.randn(len(starts) * q_len, heads, d, generator=g)
+    mine = kernels.decode_attention(
+        q, store.native(), store.NATIVE_KIND, slots.view(-1), length, q_len, starts
+    )
+    for b, start in enumerate(starts.tolist()):
+        for j in range(q_len):
+            kv = store.read(slots[b, : start + j + 1]).double()  # [2, Hkv, n, D]
+            k, v = (x.repeat_interleave(heads // kv_heads, 0) for x in kv)
+            row = q[b * q_len + j].double()  # [H, D]
+            w = torch.softmax((k @ row.unsqueeze(-1)).squeeze(-1) / d**0.5, -1)
+            want = (w.unsqueeze(1) @ v).squeeze(1).reshape(-1)
+            torch.testing.assert_close(mine[b * q_len + j].double(), want, atol=1e-5, rtol=1e-4)
+
+
 def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(tmp_path):
     """torch's extension build waits for its lock file to vanish; one left by a killed build
     would make every later start hang without a word. A live build holds the OS lock: a
@@ -557,9 +588,9 @@ def test_verification_rows_attend_bit_identically_to_decode_rows(heads, kv_heads
     """A verification's query rows (scored in pairs that share key loads) give exactly what
     each gives decoded alone: greedy output with speculation depends on it."""
     g = torch.Generator().manual_seed(d + heads)
-    slots_total = 1024
+    slots_total = 2100
     cache = torch.randn(2, kv_heads, slots_total, d, generator=g)
-    for start in (0, 7, 8, 15, 16, 200, 333):
+    for start in (0, 7, 8, 15, 16, 200, 333, 1019, 1024, 2046):  # and past key segments
         for q_len in (1, 2, 3, 5, 9, 13):
             slots = torch.randperm(slots_total, generator=g)[: start + q_len]
             q = torch.randn(q_len, heads, d, generator=g)

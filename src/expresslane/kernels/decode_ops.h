@@ -84,8 +84,8 @@ inline void silu_mul(const float* g, const float* u, float* y, int64_t n) {
   }
 }
 
-// s[0..n) = softmax(s[0..n)), any n >= 1
-inline void softmax(float* s, int64_t n) {
+// s[0..n) = exp(s[0..n) - max), any n >= 1; returns their sum, the max in *max.
+inline float exp_shifted(float* s, int64_t n, float* max) {
   // the max in 8 lanes (exact in any order; one scalar chain ran ~3 cycles per score)
   __m256 mx = _mm256_set1_ps(s[0]);
   int64_t i = 0;
@@ -104,6 +104,15 @@ inline void softmax(float* s, int64_t n) {
   }
   float total = hsum(sum);
   for (; i < n; ++i) total += (s[i] = std::exp(s[i] - m));
+  *max = m;
+  return total;
+}
+
+// s[0..n) = softmax(s[0..n)), any n >= 1
+inline void softmax(float* s, int64_t n) {
+  float m;
+  const float total = exp_shifted(s, n, &m);
+  int64_t i = 0;
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
   for (; i < n; ++i) s[i] *= 1.0f / total;

@@ -1,0 +1,278 @@
+// The row kernels of the decode attention (paged_attention.h): query rows scored against key
+// rows and value rows weighed, each row's result the same whatever rows share its work item,
+// and a long row's keys in segments whose partial results merge in a fixed order.
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "decode_ops.h"
+
+namespace expresslane {
+
+// A key or value row's next 8 (16) values as float32: in place from a float32 cache, widened
+// from a bf16 one (the same floats the bf16 store's reads give).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+#endif
+
+// q . k for every key row in `keys` (n of them), times `scale`, into s[0..n) (AVX2). Each
+// score is bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across
+// the keys (D = 32 / 64: the demo pair's head sizes, and common ones), which halves the loads.
+template <int D, typename T>
+inline void score_rows(const float* q, const T* const* keys, int64_t n, float scale, float* s) {
+  __m256 qv[D / 8];
+  for (int i = 0; i < D / 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  for (int64_t p = 0; p < n; ++p) {
+    const T* k = keys[p];
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int i = 0; i + 16 <= D; i += 16) {  // ops::dot's two chains, in its order
+      s0 = _mm256_fmadd_ps(qv[i / 8], load8(k + i), s0);
+      s1 = _mm256_fmadd_ps(qv[i / 8 + 1], load8(k + i + 8), s1);
+    }
+    s[p] = hsum(_mm256_add_ps(s0, s1)) * scale;
+  }
+}
+
+// out[0..D) = sum over p < n of w[p] * values[p], accumulated in p order (bit-identical to
+// repeated ops::axpy), the accumulator in registers.
+template <int D, typename T>
+inline void weigh_rows(const float* w, const T* const* values, int64_t n, float* out) {
+  __m256 acc[D / 8];
+  for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < n; ++p) {
+    const __m256 wv = _mm256_set1_ps(w[p]);
+    for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(wv, load8(values[p] + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+#ifdef __AVX512F__
+// AVX-512 (D a multiple of 16, at most 128). Scores 16 keys at a time: each key's D/16
+// products are summed in one chain, then the 16 partial vectors are reduced together by a
+// tree of lane shuffles (15 adds of pairs, not 16 horizontal sums). Every score goes through
+// the same chain and the same tree, wherever its key falls (a short last group is padded
+// with zeros), so a score does not depend on n or on which keys share its group.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: t[i] = (v[i] | v[i+8]) with 8 lanes each
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: u[i] = (v[i] | v[i+8] | v[i+4] | v[i+12])
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[i], t[i + 4], 0x88), _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes within each chunk
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  // lane 4c + l now holds the sum of v[{0, 2, 1, 3}[l] + {0, 8, 4, 12}[c]]
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, x);
+}
+
+template <int D, typename T>
+inline void score_rows512(const float* q, const T* const* keys, int64_t n, float scale, float* s) {
+  __m512 qv[D / 16];
+  for (int i = 0; i < D / 16; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - p0));
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= m) continue;
+      const T* k = keys[p0 + j];
+      for (int i = 0; i < D / 16; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc[j]);
+    }
+    _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
+  }
+}
+
+// score_rows512 for two query rows over the same keys, row a over the first na, row b over the
+// first nb >= na (a verification's queries: the next one sees one key more). Each key load
+// feeds both rows (one row's loop is bound by the loads), 8 keys per row at a time: the 16
+// partial vectors go through sum16 together, so every score takes score_rows512's chain and
+// reduction tree and is bit-identical to it.
+template <int D, typename T>
+inline void score_pair512(const float* qa, const float* qb, const T* const* keys, int64_t na, int64_t nb,
+                          float scale, float* sa, float* sb) {
+  __m512 qva[D / 16], qvb[D / 16];
+  for (int i = 0; i < D / 16; ++i) {
+    qva[i] = _mm512_loadu_ps(qa + 16 * i);
+    qvb[i] = _mm512_loadu_ps(qb + 16 * i);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t p0 = 0; p0 < nb; p0 += 8) {
+    const int m = static_cast<int>(std::min<int64_t>(8, nb - p0));
+    __m512 acc[16];
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = acc[j + 8] = _mm512_setzero_ps();
+      if (j >= m) continue;
+      const T* k = keys[p0 + j];
+      for (int i = 0; i < D / 16; ++i) {
+        const __m512 kv = load16(k + 16 * i);
+        acc[j] = _mm512_fmadd_ps(qva[i], kv, acc[j]);
+        acc[j + 8] = _mm512_fmadd_ps(qvb[i], kv, acc[j + 8]);
+      }
+    }
+    const __m512 s = _mm512_mul_ps(sum16(acc), sc);
+    const int ma = static_cast<int>(std::clamp<int64_t>(na - p0, 0, 8));
+    _mm256_mask_storeu_ps(sa + p0, static_cast<__mmask8>((1u << ma) - 1), _mm512_castps512_ps256(s));
+    _mm256_mask_storeu_ps(sb + p0, static_cast<__mmask8>((1u << m) - 1), _mm512_extractf32x8_ps(s, 1));
+  }
+}
+
+// out[r][0..D) += sum over p0 <= p < p1 of w[r][p] * values[p] for R rows at once (one load
+// of each value row), accumulated in p order; `resume`: out holds the sums over p < p0, else
+// they start at zero. Each output is the same chain of operations as if computed alone.
+template <int D, int R, typename T>
+inline void weigh_rows512(const float* const* w, const T* const* values, int64_t p0, int64_t p1,
+                          float* const* out, bool resume) {
+  __m512 acc[R][D / 16];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D / 16; ++i) acc[r][i] = resume ? _mm512_loadu_ps(out[r] + 16 * i) : _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 v[D / 16];
+    for (int i = 0; i < D / 16; ++i) v[i] = load16(values[p] + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r][p]);
+      for (int i = 0; i < D / 16; ++i) acc[r][i] = _mm512_fmadd_ps(wv, v[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out[r] + 16 * i, acc[r][i]);
+}
+
+// Rows in groups of up to R (R * D / 16 accumulators: 16 registers at most), 4 rows giving 16
+// independent chains (one row's 4 were bound by the FMA latency). n[r]: the keys row r sees,
+// non-decreasing (a verification's later queries see more): a group weighs the keys its first
+// row sees together, then each row its own remaining ones.
+template <int D, typename T>
+inline void weigh_group512(const float* const* w, const T* const* values, const int64_t* n, float* const* out,
+                           int rows) {
+  constexpr int R = D <= 64 ? 4 : 2;
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    const int m = std::min(R, rows - r0);
+    const int64_t shared = n[r0];
+    switch (m) {
+      case 1: weigh_rows512<D, 1>(w + r0, values, 0, shared, out + r0, false); break;
+      case 2: weigh_rows512<D, 2>(w + r0, values, 0, shared, out + r0, false); break;
+      case 3: if constexpr (R >= 3) weigh_rows512<D, 3>(w + r0, values, 0, shared, out + r0, false); break;
+      default: if constexpr (R >= 4) weigh_rows512<D, 4>(w + r0, values, 0, shared, out + r0, false); break;
+    }
+    for (int r = r0; r < r0 + m; ++r)
+      if (n[r] > shared) weigh_rows512<D, 1>(w + r, values, shared, n[r], out + r, true);
+  }
+}
+#endif
+
+template <typename T>
+inline void score_rows_any(const float* q, const T* const* keys, int64_t n, int64_t D, float scale, float* s) {
+#ifdef __AVX512F__
+  if (D == 64) return score_rows512<64>(q, keys, n, scale, s);
+  if (D == 128) return score_rows512<128>(q, keys, n, scale, s);
+  if (D == 32) return score_rows512<32>(q, keys, n, scale, s);
+#endif
+  if (D == 64) return score_rows<64>(q, keys, n, scale, s);
+  if (D == 32) return score_rows<32>(q, keys, n, scale, s);
+  if constexpr (std::is_same_v<T, float>)  // rows_direct() sends bf16 rows of these sizes only
+    for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
+}
+
+// score_rows_any for rows a and b (nb >= na keys), sharing the key loads where a kernel does.
+template <typename T>
+inline void score_pair_any(const float* qa, const float* qb, const T* const* keys, int64_t na, int64_t nb,
+                           int64_t D, float scale, float* sa, float* sb) {
+#ifdef __AVX512F__
+  if (D == 64) return score_pair512<64>(qa, qb, keys, na, nb, scale, sa, sb);
+  if (D == 32) return score_pair512<32>(qa, qb, keys, na, nb, scale, sa, sb);
+#endif
+  score_rows_any(qa, keys, na, D, scale, sa);
+  score_rows_any(qb, keys, nb, D, scale, sb);
+}
+
+template <typename T>
+inline void weigh_rows_any(const float* w, const T* const* values, int64_t n, int64_t D, float* out) {
+  if (D == 64) return weigh_rows<64>(w, values, n, out);
+  if (D == 32) return weigh_rows<32>(w, values, n, out);
+  if constexpr (std::is_same_v<T, float>) {
+    std::fill(out, out + D, 0.0f);
+    for (int64_t p = 0; p < n; ++p) ops::axpy(w[p], values[p], out, D);
+  }
+}
+
+// weigh_rows for `rows` outputs over the same value rows, row r over the first n[r] of them
+// (n non-decreasing).
+template <typename T>
+inline void weigh_group_any(const float* const* w, const T* const* values, const int64_t* n, int64_t D,
+                            float* const* out, int rows) {
+#ifdef __AVX512F__
+  if (D == 64) return weigh_group512<64>(w, values, n, out, rows);
+  if (D == 128) return weigh_group512<128>(w, values, n, out, rows);
+  if (D == 32) return weigh_group512<32>(w, values, n, out, rows);
+#endif
+  for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n[r], D, out[r]);
+}
+
+// The rows of one work item: queries[r] scored against the first seen_by[r] key rows, two rows
+// at a time sharing each key load (score_pair_any), softmax, then weighing the value rows in
+// groups that share each value load (weigh_group_any), into outs[r]. `weights`: each row's
+// scratch for its scores.
+template <typename T>
+inline void attend_rows(const float* const* queries, const T* const* keys, const T* const* values,
+                        const int64_t* seen_by, float* const* weights, float* const* outs, int64_t rows, int64_t D,
+                        float scale) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    if (r + 1 < rows)
+      score_pair_any(queries[r], queries[r + 1], keys, seen_by[r], seen_by[r + 1], D, scale, weights[r],
+                     weights[r + 1]);
+    else
+      score_rows_any(queries[r], keys, seen_by[r], D, scale, weights[r]);
+  }
+  for (int64_t r = 0; r < rows; ++r) ops::softmax(weights[r], seen_by[r]);
+  weigh_group_any(weights, values, seen_by, D, outs, static_cast<int>(rows));
+}
+
+// attend_rows for the keys of one segment of long rows: queries[r] against keys[0..counts[r])
+// (counts non-decreasing, >= 1), leaving in parts[r] the scores' max, the sum of exp(score -
+// max) and, from parts[r] + 2, the unnormalized sum of exp(score - max) * value (D floats).
+template <typename T>
+inline void attend_segment(const float* const* queries, const T* const* keys, const T* const* values,
+                           const int64_t* counts, float* const* weights, float* const* parts, int64_t rows,
+                           int64_t D, float scale) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    if (r + 1 < rows)
+      score_pair_any(queries[r], queries[r + 1], keys, counts[r], counts[r + 1], D, scale, weights[r],
+                     weights[r + 1]);
+    else
+      score_rows_any(queries[r], keys, counts[r], D, scale, weights[r]);
+  }
+  std::vector<float*> sums(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    parts[r][1] = ops::exp_shifted(weights[r], counts[r], parts[r]);
+    sums[r] = parts[r] + 2;
+  }
+  weigh_group_any(weights, values, counts, D, sums.data(), static_cast<int>(rows));
+}
+
+// out[0..D) = a row's attention from its n segments' parts (attend_segment's layout), merged
+// in segment order.
+inline void merge_segments(const float* const* parts, int64_t n, int64_t D, float* out) {
+  float m = parts[0][0];
+  for (int64_t c = 1; c < n; ++c) m = std::max(m, parts[c][0]);
+  float total = 0.0f;
+  std::fill(out, out + D, 0.0f);
+  for (int64_t c = 0; c < n; ++c) {
+    const float a = std::exp(parts[c][0] - m);
+    total += a * parts[c][1];
+    for (int64_t d = 0; d < D; ++d) out[d] += a * parts[c][2 + d];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+}  // namespace expresslane
