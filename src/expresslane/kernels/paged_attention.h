@@ -54,6 +54,39 @@ constexpr int64_t kSegment = 1024;
 
 inline int64_t segments_of(int64_t seen) { return seen > kSegment ? (seen + kSegment - 1) / kSegment : 1; }
 
+// Up to kBlock consecutive query positions of one sequence, attended by one thread per KV head
+// (and key segment).
+struct AttentionItem {
+  int64_t b, row, j0, j1;   // sequence, its first row in q, positions j0..j1-1 of its step
+  int64_t segments, parts;  // key segments of its last row; its first part in the parts buffer
+};
+
+// Each split row's segments (attend_segment's parts, [Hkv][segments][rows][D + 2] per item
+// from item.parts on) merged into its output row, an (item, KV head) at a time.
+inline void merge_split_rows(const std::vector<AttentionItem>& items, const float* partial, int64_t Hkv, int64_t G,
+                             int64_t D, int64_t L, const int64_t* starts, float* out) {
+  const int64_t H = Hkv * G;
+  at::parallel_for(0, static_cast<int64_t>(items.size()) * Hkv, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<const float*> segments;
+    for (int64_t p = p0; p < p1; ++p) {
+      const AttentionItem& it = items[p / Hkv];
+      if (it.segments == 1) continue;
+      const int64_t h = p % Hkv, rows = (it.j1 - it.j0) * G, seen = std::min(L, starts[it.b] + it.j1);
+      for (int64_t j = it.j0; j < it.j1; ++j) {
+        const int64_t seen_by = std::min(seen, starts[it.b] + j + 1);
+        if (seen_by <= kSegment) continue;  // whole
+        segments.resize(segments_of(seen_by));
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (j - it.j0) * G + g, t = it.row + j;
+          for (size_t s = 0; s < segments.size(); ++s)
+            segments[s] = partial + it.parts + ((h * it.segments + s) * rows + r) * (D + 2);
+          merge_segments(segments.data(), static_cast<int64_t>(segments.size()), D, out + t * H * D + (h * G + g) * D);
+        }
+      }
+    }
+  });
+}
+
 // Attention over the paged cache, read in place, for B sequences with q_lens[b] new tokens
 // each (1 for a decode, k+1 for a speculative verification, a prompt chunk's length), their
 // rows consecutive from rows[b] on in q ([T, H, D], rows `q_stride` floats apart) and out
@@ -71,10 +104,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   constexpr int64_t kBlock = 16;  // query positions per item (a verification's k+1 fit in one)
   const int64_t Hkv = c.Hkv, D = c.D, G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  struct Item {
-    int64_t b, row, j0, j1;  // sequence, its first row in q, positions j0..j1-1 of its step
-    int64_t segments, parts;  // key segments of its last row; its first part in `partial`
-  };
+  using Item = AttentionItem;
   struct Unit {
     int64_t item, h, segment;
   };
@@ -153,27 +183,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
       attend(keys.data(), values.data());
     }
   });
-  if (part_floats == 0) return;
-  // each split row's segments merged, an (item, kv head) at a time
-  at::parallel_for(0, static_cast<int64_t>(items.size()) * Hkv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<const float*> segments;
-    for (int64_t p = p0; p < p1; ++p) {
-      const Item& it = items[p / Hkv];
-      if (it.segments == 1) continue;
-      const int64_t h = p % Hkv, rows = (it.j1 - it.j0) * G, seen = std::min(L, starts[it.b] + it.j1);
-      for (int64_t j = it.j0; j < it.j1; ++j) {
-        const int64_t seen_by = std::min(seen, starts[it.b] + j + 1);
-        if (seen_by <= kSegment) continue;  // whole
-        segments.resize(segments_of(seen_by));
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = (j - it.j0) * G + g, t = it.row + j;
-          for (size_t s = 0; s < segments.size(); ++s)
-            segments[s] = partial.data() + it.parts + ((h * it.segments + s) * rows + r) * (D + 2);
-          merge_segments(segments.data(), static_cast<int64_t>(segments.size()), D, out + t * H * D + (h * G + g) * D);
-        }
-      }
-    }
-  });
+  if (part_floats > 0) merge_split_rows(items, partial.data(), Hkv, G, D, L, starts, out);
 }
 
 }  // namespace expresslane
