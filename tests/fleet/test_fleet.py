@@ -180,7 +180,17 @@ def test_a_key_limited_to_a_region_never_leaves_it(fleet):
         assert e.value.code == "region_not_allowed"
 
 
+def _both_ingresses_up(fleet) -> None:
+    """Until both ingress replicas have answered (one may still be starting; the proxy sends
+    every request to the other meanwhile), at most a minute."""
+    seen, deadline = set(), time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        seen.add(httpx.get(fleet["url"] + "/health").headers["x-expresslane-ingress"])
+    assert len(seen) == 2
+
+
 def test_two_ingress_replicas_share_limits_and_ledger(fleet):
+    _both_ingresses_up(fleet)
     c = client(fleet, "slow")
     ok, limited, ingresses, usage = 0, 0, set(), 0
     for _ in range(3 * RPM):
