@@ -218,6 +218,19 @@ inline void weigh_group_any(const float* const* w, const T* const* values, const
   for (int r = 0; r < rows; ++r) weigh_rows_any(w[r], values, n[r], D, out[r]);
 }
 
+// weights[r][0..n[r]) = queries[r]'s scores against the first n[r] key rows (n
+// non-decreasing), two rows at a time sharing each key load (score_pair_any).
+template <typename T>
+inline void score_group(const float* const* queries, const T* const* keys, const int64_t* n, int64_t rows, int64_t D,
+                        float scale, float* const* weights) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    if (r + 1 < rows)
+      score_pair_any(queries[r], queries[r + 1], keys, n[r], n[r + 1], D, scale, weights[r], weights[r + 1]);
+    else
+      score_rows_any(queries[r], keys, n[r], D, scale, weights[r]);
+  }
+}
+
 // The rows of one work item: queries[r] scored against the first seen_by[r] key rows, two rows
 // at a time sharing each key load (score_pair_any), softmax, then weighing the value rows in
 // groups that share each value load (weigh_group_any), into outs[r]. `weights`: each row's
@@ -226,13 +239,7 @@ template <typename T>
 inline void attend_rows(const float* const* queries, const T* const* keys, const T* const* values,
                         const int64_t* seen_by, float* const* weights, float* const* outs, int64_t rows, int64_t D,
                         float scale) {
-  for (int64_t r = 0; r < rows; r += 2) {
-    if (r + 1 < rows)
-      score_pair_any(queries[r], queries[r + 1], keys, seen_by[r], seen_by[r + 1], D, scale, weights[r],
-                     weights[r + 1]);
-    else
-      score_rows_any(queries[r], keys, seen_by[r], D, scale, weights[r]);
-  }
+  score_group(queries, keys, seen_by, rows, D, scale, weights);
   for (int64_t r = 0; r < rows; ++r) ops::softmax(weights[r], seen_by[r]);
   weigh_group_any(weights, values, seen_by, D, outs, static_cast<int>(rows));
 }
@@ -244,13 +251,7 @@ template <typename T>
 inline void attend_segment(const float* const* queries, const T* const* keys, const T* const* values,
                            const int64_t* counts, float* const* weights, float* const* parts, int64_t rows,
                            int64_t D, float scale) {
-  for (int64_t r = 0; r < rows; r += 2) {
-    if (r + 1 < rows)
-      score_pair_any(queries[r], queries[r + 1], keys, counts[r], counts[r + 1], D, scale, weights[r],
-                     weights[r + 1]);
-    else
-      score_rows_any(queries[r], keys, counts[r], D, scale, weights[r]);
-  }
+  score_group(queries, keys, counts, rows, D, scale, weights);
   std::vector<float*> sums(rows);
   for (int64_t r = 0; r < rows; ++r) {
     parts[r][1] = ops::exp_shifted(weights[r], counts[r], parts[r]);
