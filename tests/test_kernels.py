@@ -472,20 +472,20 @@ def test_decode_attention_matches_the_torch_path(store_name, q_len):
 
 
 @needs_kernels
-@pytest.mark.parametrize("store_name", ["PlainKV", "Bf16KV", "Fp8KV"])
+@pytest.mark.parametrize("store_name", ["PlainKV", "Bf16KV", "Fp8KV", "Fp4KV"])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_long_rows_attend_in_segments_as_the_reference(store_name, q_len):
-    """Rows seeing more than a key segment (1,024 positions) of a cache read in place attend
-    segment by segment and merge (FP8 ones whole): against float64 softmax(q k / sqrt(D)) v
-    over the store's own values, at contexts on both sides of segment boundaries (a
-    verification's rows straddling one)."""
+    """Rows seeing more than a key segment (1,024 positions of a float32 or bf16 cache, 256 of
+    an FP8 or FP4 one) attend segment by segment and merge: against float64 softmax(q k /
+    sqrt(D)) v over the store's own values, at contexts on both sides of segment boundaries
+    (a verification's rows straddling one)."""
     from expresslane.models import kv_store
 
     g = torch.Generator().manual_seed(q_len)
     heads, kv_heads, d, n = 6, 2, 64, 3200
     store = getattr(kv_store, store_name)(kv_heads, n, d, torch.float32, "cpu")
     store.write(*(torch.randn(n, kv_heads, d, generator=g) for _ in range(2)), torch.arange(n))
-    starts = torch.tensor([1020, 1023, 1024, 2046, 3100])
+    starts = torch.tensor([100, 254, 1020, 1023, 1024, 2046, 3100])
     length = int(starts.max()) + q_len
     slots = torch.stack([torch.randperm(n, generator=g)[:length] for _ in starts])
     q = torch.randn(len(starts) * q_len, heads, d, generator=g)
@@ -500,6 +500,34 @@ def test_long_rows_attend_in_segments_as_the_reference(store_name, q_len):
             w = torch.softmax((k @ row.unsqueeze(-1)).squeeze(-1) / d**0.5, -1)
             want = (w.unsqueeze(1) @ v).squeeze(1).reshape(-1)
             torch.testing.assert_close(mine[b * q_len + j].double(), want, atol=1e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("store_name", ["Fp8KV", "Fp4KV"])
+def test_compressed_rows_widen_exactly_as_the_store_reads_them(store_name):
+    """Every FP8 byte (the NaN codes too) and every FP4 code with scales from subnormal to
+    large, widened by the kernels' vector code, is bit for bit the store's own read: a query
+    that sees one key returns that key's value row as it is."""
+    from expresslane.models import kv_store
+
+    g = torch.Generator().manual_seed(0)
+    d, n = 64, 8
+    store = getattr(kv_store, store_name)(1, n, d, torch.float32, "cpu")
+    if store_name == "Fp8KV":
+        store.values[1] = torch.arange(256, dtype=torch.uint8).view(4, d).repeat(2, 1)
+        scales = torch.tensor([2**-24, 1e-3, 0.37, 1.0, 3.5, 448.0, 6e4, 2**-14])
+        store.scales[1] = scales[:, None].half()
+    else:
+        store.codes[1] = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.uint8)
+        store.codes[1, 0, 0, :16] = torch.arange(16, dtype=torch.uint8) * 17  # each code twice
+        store.scales[1] = torch.randint(0, 127, (n, d // 16), generator=g, dtype=torch.uint8)
+    want = store.read(torch.arange(n))[1, 0]  # [n, D]
+    q = torch.randn(1, 1, d, generator=g)
+    for slot in range(n):
+        row = kernels.decode_attention(
+            q, store.native(), store.NATIVE_KIND, torch.tensor([slot]), 1, 1, torch.tensor([0])
+        )
+        torch.testing.assert_close(row[0], want[slot], atol=0, rtol=0, equal_nan=True)
 
 
 def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(tmp_path):

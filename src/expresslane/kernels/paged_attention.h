@@ -44,15 +44,18 @@ __attribute__((noinline)) inline void float_rows(const PagedKV& c, int64_t h, co
   }
 }
 
-// Rows that see more than kSegment positions of a cache read in place attend in segments of
-// kSegment positions at fixed absolute boundaries, each segment a work unit of its own (one
-// long sequence's decode spreads over the threads: a 4k-context decode of SmolLM2-135M's 3 KV
-// heads on 2 threads took 1.2x less), then merge them in segment order (attention_rows.h).
-// Whether and where a row is split depends only on how many keys it sees and the cache's
-// kind. Expanded caches stay whole (their split FP8 decode ran 0.8x as fast).
-constexpr int64_t kSegment = 1024;
+// Rows that see more than segment_length(c) positions attend in segments of that many positions
+// at fixed absolute boundaries, each segment a work unit of its own (one long sequence's decode
+// spreads over the threads: a 4k-context decode of SmolLM2-135M's 3 KV heads on 2 threads took
+// 1.2x less), then merge them in segment order (attention_rows.h). Whether and where a row is
+// split depends only on how many keys it sees and the cache's kind. FP8 and FP4 rows are
+// widened into a buffer a segment at a time: shorter segments keep it near the core (and
+// balance the threads from shorter contexts on).
+inline int64_t segment_length(const PagedKV& c) {
+  return c.kind == KVKind::kFp8 || c.kind == KVKind::kFp4 ? 256 : 1024;
+}
 
-inline int64_t segments_of(int64_t seen) { return seen > kSegment ? (seen + kSegment - 1) / kSegment : 1; }
+inline int64_t segments_of(int64_t seen, int64_t seg) { return seen > seg ? (seen + seg - 1) / seg : 1; }
 
 // Up to kBlock consecutive query positions of one sequence, attended by one thread per KV head
 // (and key segment).
@@ -64,7 +67,7 @@ struct AttentionItem {
 // Each split row's segments (attend_segment's parts, [Hkv][segments][rows][D + 2] per item
 // from item.parts on) merged into its output row, an (item, KV head) at a time.
 inline void merge_split_rows(const std::vector<AttentionItem>& items, const float* partial, int64_t Hkv, int64_t G,
-                             int64_t D, int64_t L, const int64_t* starts, float* out) {
+                             int64_t D, int64_t L, const int64_t* starts, int64_t seg, float* out) {
   const int64_t H = Hkv * G;
   at::parallel_for(0, static_cast<int64_t>(items.size()) * Hkv, 1, [&](int64_t p0, int64_t p1) {
     std::vector<const float*> segments;
@@ -74,8 +77,8 @@ inline void merge_split_rows(const std::vector<AttentionItem>& items, const floa
       const int64_t h = p % Hkv, rows = (it.j1 - it.j0) * G, seen = std::min(L, starts[it.b] + it.j1);
       for (int64_t j = it.j0; j < it.j1; ++j) {
         const int64_t seen_by = std::min(seen, starts[it.b] + j + 1);
-        if (seen_by <= kSegment) continue;  // whole
-        segments.resize(segments_of(seen_by));
+        if (seen_by <= seg) continue;  // whole
+        segments.resize(segments_of(seen_by, seg));
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = (j - it.j0) * G + g, t = it.row + j;
           for (size_t s = 0; s < segments.size(); ++s)
@@ -109,13 +112,14 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
     int64_t item, h, segment;
   };
   const bool direct = rows_direct(c), bf16 = c.kind == KVKind::kBf16;
+  const int64_t seg = segment_length(c);
   std::vector<Item> items;
   std::vector<Unit> units;
   int64_t work = 1, part_floats = 0;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j0 = 0; j0 < q_lens[b]; j0 += kBlock) {
       const int64_t j1 = std::min(q_lens[b], j0 + kBlock);
-      const int64_t segments = direct ? segments_of(std::min(L, starts[b] + j1)) : 1;
+      const int64_t segments = segments_of(std::min(L, starts[b] + j1), seg);
       items.push_back({b, rows[b], j0, j1, segments, part_floats});
       if (segments > 1) part_floats += Hkv * segments * (j1 - j0) * G * (D + 2);
       for (int64_t h = 0; h < Hkv; ++h)
@@ -126,7 +130,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   const int64_t n = static_cast<int64_t>(units.size());
   const int64_t grain = std::max<int64_t>(1, 65536 * n / work);
   at::parallel_for(0, n, grain, [&](int64_t p0, int64_t p1) {
-    const int64_t max_rows = kBlock * G, span = direct ? std::min(L, kSegment) : L;
+    const int64_t max_rows = kBlock * G, span = std::min(L, seg);
     // Uninitialized: every score and expanded row is written before it is read, and zeroing
     // them cost a memset of ~1-3 MB per layer per thread at a 4k context.
     const std::unique_ptr<float[]> scores(new float[max_rows * span]);
@@ -153,11 +157,11 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
         }
       }
       // this unit's keys: positions k0..k1 (all of them unless split)
-      const int64_t k0 = u.segment * kSegment, k1 = it.segments > 1 ? std::min(seen, k0 + kSegment) : seen;
-      // rows seeing at most kSegment keys are whole (in segment 0); the rest from `first` on
+      const int64_t k0 = u.segment * seg, k1 = it.segments > 1 ? std::min(seen, k0 + seg) : seen;
+      // rows seeing at most seg keys are whole (in segment 0); the rest from `first` on
       int64_t whole = 0, first = 0;
       if (it.segments > 1) {
-        while (whole < rows && seen_by[whole] <= kSegment) ++whole;
+        while (whole < rows && seen_by[whole] <= seg) ++whole;
         first = whole;
         while (first < rows && seen_by[first] <= k0) ++first;
         for (int64_t r = first; r < rows; ++r) counts[r] = std::min(seen_by[r], k1) - k0;
@@ -183,7 +187,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
       attend(keys.data(), values.data());
     }
   });
-  if (part_floats > 0) merge_split_rows(items, partial.data(), Hkv, G, D, L, starts, out);
+  if (part_floats > 0) merge_split_rows(items, partial.data(), Hkv, G, D, L, starts, seg, out);
 }
 
 }  // namespace expresslane

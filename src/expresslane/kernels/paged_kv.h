@@ -20,10 +20,9 @@
 
 #include "common.h"
 #include "constants.h"
+#include "widen.h"
 
 namespace expresslane {
-
-constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
 
 // The E2M1 code of v as quant/formats.py e2m1_encode: nearest value, ties to the even code.
 inline uint8_t e2m1_code(float v) {
@@ -32,19 +31,6 @@ inline uint8_t e2m1_code(float v) {
   uint8_t index = 0;
   for (int k = 0; k < 7; ++k) index += (k % 2) ? (mag >= mid[k]) : (mag > mid[k]);
   return index | (std::signbit(v) ? 8 : 0);
-}
-
-// dst[0..n) = the bf16 values at src as float32 (bf16 is float32's top half).
-inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_bf16x16(src + i));
-#endif
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
-  for (; i < n; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &wide, sizeof(float));
-  }
 }
 
 struct PagedKV {
@@ -88,19 +74,10 @@ struct PagedKV {
       widen_bf16(reinterpret_cast<const uint16_t*>(values) + r * D, buf, D);
       return buf;
     }
-    const float* e4m3 = e4m3_table();
     if (kind == KVKind::kFp8) {
-      const uint8_t* bytes = values + r * D;
-      const float scale = static_cast<float>(static_cast<const c10::Half*>(scales)[r]);
-      for (int64_t i = 0; i < D; ++i) buf[i] = e4m3[bytes[i]] * scale;
-      return buf;
-    }
-    const uint8_t* codes = values + r * (D / 2);
-    const uint8_t* row_scales = static_cast<const uint8_t*>(scales) + r * (D / 16);
-    for (int64_t i = 0; i < D; i += 2) {
-      const float scale = e4m3[row_scales[i / 16]];
-      buf[i] = kE2M1[codes[i / 2] & 0x0F] * scale;
-      buf[i + 1] = kE2M1[codes[i / 2] >> 4] * scale;
+      widen_fp8(values + r * D, static_cast<float>(static_cast<const c10::Half*>(scales)[r]), buf, D);
+    } else {
+      widen_fp4(values + r * (D / 2), static_cast<const uint8_t*>(scales) + r * (D / 16), buf, D);
     }
     return buf;
   }
