@@ -506,8 +506,9 @@ def test_long_rows_attend_in_segments_as_the_reference(store_name, q_len):
 @pytest.mark.parametrize("store_name", ["Fp8KV", "Fp4KV"])
 def test_compressed_rows_widen_exactly_as_the_store_reads_them(store_name):
     """Every FP8 byte (the NaN codes too) and every FP4 code with scales from subnormal to
-    large, widened by the kernels' vector code, is bit for bit the store's own read: a query
-    that sees one key returns that key's value row as it is."""
+    large, as the decode attention reads them in place (FP8) or widens them (FP4, and both in
+    the prompt attention's tiles), is bit for bit the store's own read: a query that sees one
+    key returns that key's value row as it is."""
     from expresslane.models import kv_store
 
     g = torch.Generator().manual_seed(0)
@@ -523,11 +524,13 @@ def test_compressed_rows_widen_exactly_as_the_store_reads_them(store_name):
         store.scales[1] = torch.randint(0, 127, (n, d // 16), generator=g, dtype=torch.uint8)
     want = store.read(torch.arange(n))[1, 0]  # [n, D]
     q = torch.randn(1, 1, d, generator=g)
+    kv, kind, first = store.native(), store.NATIVE_KIND, torch.tensor([0])
     for slot in range(n):
-        row = kernels.decode_attention(
-            q, store.native(), store.NATIVE_KIND, torch.tensor([slot]), 1, 1, torch.tensor([0])
-        )
-        torch.testing.assert_close(row[0], want[slot], atol=0, rtol=0, equal_nan=True)
+        at = torch.tensor([slot])
+        decoded = kernels.decode_attention(q, kv, kind, at, 1, 1, first)
+        prompted = kernels.prompt_attention(q, kv, kind, at, 1, torch.tensor([1]), first, False)
+        for row in (decoded, prompted):
+            torch.testing.assert_close(row[0], want[slot], atol=0, rtol=0, equal_nan=True)
 
 
 def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(tmp_path):

@@ -6,22 +6,47 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "decode_ops.h"
+#include "widen.h"
 
 namespace expresslane {
 
 // A key or value row's next 8 (16) values as float32: in place from a float32 cache, widened
-// from a bf16 one (the same floats the bf16 store's reads give).
+// from a bf16 one (the same floats the bf16 store's reads give), and from an FP8 one the E4M3
+// values / 2^8 (e4m3_half_bits; the 2^8 goes into the row's scale, RowScales).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
+inline __m256 load8(const uint8_t* p) {
+  __m128i bytes;
+  std::memcpy(&bytes, p, 8);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepu8_epi16(bytes)))));
+}
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+inline __m512 load16(const uint8_t* p) {
+  return _mm512_cvtph_ps(e4m3_half_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
 #endif
+
+// The factors of a scaled cache's rows (FP8: each row's scale times 2^8), by key position;
+// none for the others. A key's factor multiplies its scores, a value's its weights.
+struct RowScales {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
+// weights[r][p] *= f[p] for p < n[r]; nothing without f.
+inline void scale_weights(float* const* weights, const int64_t* n, int64_t rows, const float* f) {
+  if (f == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < n[r]; ++p) weights[r][p] *= f[p];
+}
 
 // q . k for every key row in `keys` (n of them), times `scale`, into s[0..n) (AVX2). Each
 // score is bit-identical to ops::dot(q, k, D) * scale; the query rows stay in registers across
@@ -234,13 +259,15 @@ inline void score_group(const float* const* queries, const T* const* keys, const
 // The rows of one work item: queries[r] scored against the first seen_by[r] key rows, two rows
 // at a time sharing each key load (score_pair_any), softmax, then weighing the value rows in
 // groups that share each value load (weigh_group_any), into outs[r]. `weights`: each row's
-// scratch for its scores.
+// scratch for its scores; `factors`: the rows' scales of a scaled cache.
 template <typename T>
 inline void attend_rows(const float* const* queries, const T* const* keys, const T* const* values,
                         const int64_t* seen_by, float* const* weights, float* const* outs, int64_t rows, int64_t D,
-                        float scale) {
+                        float scale, RowScales factors) {
   score_group(queries, keys, seen_by, rows, D, scale, weights);
+  scale_weights(weights, seen_by, rows, factors.keys);
   for (int64_t r = 0; r < rows; ++r) ops::softmax(weights[r], seen_by[r]);
+  scale_weights(weights, seen_by, rows, factors.values);
   weigh_group_any(weights, values, seen_by, D, outs, static_cast<int>(rows));
 }
 
@@ -250,13 +277,15 @@ inline void attend_rows(const float* const* queries, const T* const* keys, const
 template <typename T>
 inline void attend_segment(const float* const* queries, const T* const* keys, const T* const* values,
                            const int64_t* counts, float* const* weights, float* const* parts, int64_t rows,
-                           int64_t D, float scale) {
+                           int64_t D, float scale, RowScales factors) {
   score_group(queries, keys, counts, rows, D, scale, weights);
+  scale_weights(weights, counts, rows, factors.keys);
   std::vector<float*> sums(rows);
   for (int64_t r = 0; r < rows; ++r) {
     parts[r][1] = ops::exp_shifted(weights[r], counts[r], parts[r]);
     sums[r] = parts[r] + 2;
   }
+  scale_weights(weights, counts, rows, factors.values);
   weigh_group_any(weights, values, counts, D, sums.data(), static_cast<int>(rows));
 }
 

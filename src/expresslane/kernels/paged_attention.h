@@ -21,14 +21,15 @@
 
 namespace expresslane {
 
-// Whether rows of this cache are read where they lie: float32 rows, and bf16 rows of the
-// head sizes the kernels widen in registers. Other caches are expanded into a buffer first.
+// Whether rows of this cache are read where they lie: float32 rows, and bf16 and FP8 rows of
+// the head sizes the kernels widen in registers. Other caches are expanded into a buffer first.
 inline bool rows_direct(const PagedKV& c) {
   if (c.kind == KVKind::kPlain) return true;
+  if (c.kind != KVKind::kBf16 && c.kind != KVKind::kFp8) return false;
 #ifdef __AVX512F__
-  if (c.kind == KVKind::kBf16 && c.D == 128) return true;
+  if (c.D == 128) return true;
 #endif
-  return c.kind == KVKind::kBf16 && (c.D == 32 || c.D == 64);
+  return c.D == 32 || c.D == 64;
 }
 
 // keys/values[pos] = the key and value rows of positions 0..seen-1 of kv head h as float32: in
@@ -48,12 +49,10 @@ __attribute__((noinline)) inline void float_rows(const PagedKV& c, int64_t h, co
 // at fixed absolute boundaries, each segment a work unit of its own (one long sequence's decode
 // spreads over the threads: a 4k-context decode of SmolLM2-135M's 3 KV heads on 2 threads took
 // 1.2x less), then merge them in segment order (attention_rows.h). Whether and where a row is
-// split depends only on how many keys it sees and the cache's kind. FP8 and FP4 rows are
-// widened into a buffer a segment at a time: shorter segments keep it near the core (and
-// balance the threads from shorter contexts on).
-inline int64_t segment_length(const PagedKV& c) {
-  return c.kind == KVKind::kFp8 || c.kind == KVKind::kFp4 ? 256 : 1024;
-}
+// split depends only on how many keys it sees and the cache's kind. FP4 rows are widened into
+// a buffer a segment at a time: shorter segments keep it near the core (and balance the
+// threads from shorter contexts on).
+inline int64_t segment_length(const PagedKV& c) { return c.kind == KVKind::kFp4 ? 256 : 1024; }
 
 inline int64_t segments_of(int64_t seen, int64_t seg) { return seen > seg ? (seen + seg - 1) / seg : 1; }
 
@@ -96,8 +95,9 @@ inline void merge_split_rows(const std::vector<AttentionItem>& items, const floa
 // ([T, H*D]); slots: [B*L] the slots of positions 0..L-1 of each sequence (padded); query j of
 // sequence b sees positions 0..starts[b]+j. The work is split into (sequence, kv head, up to
 // kBlock query positions, key segment) units, each run by one thread over the G query heads of
-// those positions (attend_rows, attend_segment). Float32 and bf16 rows are read in place (half
-// the bytes for bf16), compressed ones expanded once per unit. A row's result depends only on
+// those positions (attend_rows, attend_segment). Float32, bf16 and FP8 rows are read in place
+// (half and a quarter of the bytes; an FP8 row's scale multiplies its key's scores and its
+// value's weights), FP4 ones expanded once per unit. A row's result depends only on
 // its query and the keys and values it sees, never on the rows it shares a unit with: a
 // prompt's last token attends bit-identically whether it comes in a chunk, a verification or
 // a decode step.
@@ -111,7 +111,7 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
   struct Unit {
     int64_t item, h, segment;
   };
-  const bool direct = rows_direct(c), bf16 = c.kind == KVKind::kBf16;
+  const bool direct = rows_direct(c), bf16 = c.kind == KVKind::kBf16, fp8 = c.kind == KVKind::kFp8;
   const int64_t seg = segment_length(c);
   std::vector<Item> items;
   std::vector<Unit> units;
@@ -137,6 +137,8 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
     const std::unique_ptr<float[]> expanded(direct ? nullptr : new float[2 * span * D]);
     std::vector<const float*> keys(span), values(span), queries(max_rows);
     std::vector<const uint16_t*> keys16(bf16 ? span : 0), values16(bf16 ? span : 0);
+    std::vector<const uint8_t*> keys8(fp8 ? span : 0), values8(fp8 ? span : 0);
+    std::vector<float> key_scales(fp8 ? span : 0), value_scales(fp8 ? span : 0);
     std::vector<float*> weights(max_rows), outs(max_rows), parts(max_rows);
     std::vector<int64_t> seen_by(max_rows), counts(max_rows);
     for (int64_t p = p0; p < p1; ++p) {
@@ -169,22 +171,31 @@ inline void paged_attention(const PagedKV& c, int64_t H, const float* q, int64_t
         whole = first = rows;
       }
       const bool whole_here = u.segment == 0 && whole > 0;
-      auto attend = [&](const auto* ks, const auto* vs) {
-        if (whole_here) attend_rows(queries.data(), ks, vs, seen_by.data(), weights.data(), outs.data(), whole, D, scale);
+      auto attend = [&](const auto* ks, const auto* vs, RowScales factors) {
+        if (whole_here)
+          attend_rows(queries.data(), ks, vs, seen_by.data(), weights.data(), outs.data(), whole, D, scale, factors);
         if (first < rows)
           attend_segment(queries.data() + first, ks, vs, counts.data() + first, weights.data() + first,
-                         parts.data() + first, rows - first, D, scale);
+                         parts.data() + first, rows - first, D, scale, factors);
       };
       if (direct && bf16) {
         for (int64_t pos = k0; pos < k1; ++pos) {
           keys16[pos - k0] = c.bf16_row(0, h, seq[pos]);
           values16[pos - k0] = c.bf16_row(1, h, seq[pos]);
         }
-        attend(keys16.data(), values16.data());
+        attend(keys16.data(), values16.data(), {});
+        continue;
+      }
+      if (direct && fp8) {
+        for (int64_t pos = k0; pos < k1; ++pos) {
+          keys8[pos - k0] = c.fp8_row(0, h, seq[pos], &key_scales[pos - k0]);
+          values8[pos - k0] = c.fp8_row(1, h, seq[pos], &value_scales[pos - k0]);
+        }
+        attend(keys8.data(), values8.data(), {key_scales.data(), value_scales.data()});
         continue;
       }
       float_rows(c, h, seq + k0, k1 - k0, expanded.get(), expanded.get() + span * D, keys.data(), values.data());
-      attend(keys.data(), values.data());
+      attend(keys.data(), values.data(), {});
     }
   });
   if (part_floats > 0) merge_split_rows(items, partial.data(), Hkv, G, D, L, starts, seg, out);

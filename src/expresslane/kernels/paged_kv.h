@@ -82,6 +82,14 @@ struct PagedKV {
     return buf;
   }
 
+  // Row `slot` of kv head h of K (which 0) or V (which 1) of an FP8 cache, where it lies; its
+  // scale times 2^8 into *scale (the attention reads the bytes as their values / 2^8).
+  const uint8_t* fp8_row(int64_t which, int64_t h, int64_t slot, float* scale) const {
+    const int64_t r = (which * Hkv + h) * S + slot;
+    *scale = kE4M3HalfUnit * static_cast<float>(static_cast<const c10::Half*>(scales)[r]);
+    return values + r * D;
+  }
+
   // Row `slot` of kv head h of K (which 0) or V (which 1) of a bf16 cache, where it lies.
   const uint16_t* bf16_row(int64_t which, int64_t h, int64_t slot) const {
     return reinterpret_cast<const uint16_t*>(values) + ((which * Hkv + h) * S + slot) * D;

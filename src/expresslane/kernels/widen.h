@@ -30,6 +30,8 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
 // E4M3 bytes (16-bit lanes, 16 of them) as float16 bits of their value / 2^8: sign, exponent and mantissa
 // moved to float16's places (exponent bias 7 against 15; E4M3 subnormals land on float16
 // subnormals, which F16C widens exactly); the NaN codes (S.1111.111) to a float16 NaN.
+constexpr float kE4M3HalfUnit = 256.0f;  // an E4M3 value over its e4m3_half_bits value
+
 inline __m256i e4m3_half_bits(__m256i x) {
   const __m256i mag = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80));
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
@@ -43,13 +45,13 @@ inline __m256i e4m3_half_bits(__m256i x) {
 inline void widen_fp8(const uint8_t* src, float scale, float* dst, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  const __m512 s16 = _mm512_set1_ps(256.0f * scale);
+  const __m512 s16 = _mm512_set1_ps(kE4M3HalfUnit * scale);
   for (; i + 16 <= n; i += 16) {
     const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(e4m3_half_bits(x)), s16));
   }
 #endif
-  const __m256 s = _mm256_set1_ps(256.0f * scale);
+  const __m256 s = _mm256_set1_ps(kE4M3HalfUnit * scale);
   for (; i + 8 <= n; i += 8) {
     __m128i bytes;
     std::memcpy(&bytes, src + i, 8);
