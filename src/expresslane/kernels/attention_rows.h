@@ -24,13 +24,13 @@ inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
 inline __m256 load8(const uint8_t* p) {
   __m128i bytes;
   std::memcpy(&bytes, p, 8);
-  return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepu8_epi16(bytes)))));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepi8_epi16(bytes)))));
 }
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
 inline __m512 load16(const uint8_t* p) {
-  return _mm512_cvtph_ps(e4m3_half_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  return _mm512_cvtph_ps(e4m3_half_bits(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 }
 #endif
 
@@ -99,56 +99,45 @@ inline __m512 sum16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, x);
 }
 
-template <int D, typename T>
-inline void score_rows512(const float* q, const T* const* keys, int64_t n, float scale, float* s) {
-  __m512 qv[D / 16];
-  for (int i = 0; i < D / 16; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+// Rows of queries scored 16 / R keys at a time for R rows (R <= 4): one load of each key feeds
+// every row (a row's loop alone is bound by the loads, and an FP8 key's widening is paid once);
+// row r sees the first n[r] keys (non-decreasing: a verification's next query sees one key
+// more). The R * (16 / R) partial vectors go through sum16 together, so every score takes the
+// same chain and reduction tree whatever R, n, or the keys that share its group.
+template <int D, int R, typename T>
+inline void score_rows512(const float* const* q, const T* const* keys, const int64_t* n, float scale,
+                          float* const* s) {
+  constexpr int K = 16 / R;  // keys per group
+  __m512 qv[R][D / 16];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D / 16; ++i) qv[r][i] = _mm512_loadu_ps(q[r] + 16 * i);
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t p0 = 0; p0 < n; p0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - p0));
+  alignas(64) float out[16];
+  for (int64_t p0 = 0; p0 < n[R - 1]; p0 += K) {
+    const int m = static_cast<int>(std::min<int64_t>(K, n[R - 1] - p0));
     __m512 acc[16];
-    for (int j = 0; j < 16; ++j) {
-      acc[j] = _mm512_setzero_ps();
-      if (j >= m) continue;
-      const T* k = keys[p0 + j];
-      for (int i = 0; i < D / 16; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc[j]);
-    }
-    _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
-  }
-}
-
-// score_rows512 for two query rows over the same keys, row a over the first na, row b over the
-// first nb >= na (a verification's queries: the next one sees one key more). Each key load
-// feeds both rows (one row's loop is bound by the loads), 8 keys per row at a time: the 16
-// partial vectors go through sum16 together, so every score takes score_rows512's chain and
-// reduction tree and is bit-identical to it.
-template <int D, typename T>
-inline void score_pair512(const float* qa, const float* qb, const T* const* keys, int64_t na, int64_t nb,
-                          float scale, float* sa, float* sb) {
-  __m512 qva[D / 16], qvb[D / 16];
-  for (int i = 0; i < D / 16; ++i) {
-    qva[i] = _mm512_loadu_ps(qa + 16 * i);
-    qvb[i] = _mm512_loadu_ps(qb + 16 * i);
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t p0 = 0; p0 < nb; p0 += 8) {
-    const int m = static_cast<int>(std::min<int64_t>(8, nb - p0));
-    __m512 acc[16];
-    for (int j = 0; j < 8; ++j) {
-      acc[j] = acc[j + 8] = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < K; ++j) {  // a whole K: the accumulators stay in registers
       if (j >= m) continue;
       const T* k = keys[p0 + j];
       for (int i = 0; i < D / 16; ++i) {
         const __m512 kv = load16(k + 16 * i);
-        acc[j] = _mm512_fmadd_ps(qva[i], kv, acc[j]);
-        acc[j + 8] = _mm512_fmadd_ps(qvb[i], kv, acc[j + 8]);
+        for (int r = 0; r < R; ++r) acc[r * K + j] = _mm512_fmadd_ps(qv[r][i], kv, acc[r * K + j]);
       }
     }
-    const __m512 s = _mm512_mul_ps(sum16(acc), sc);
-    const int ma = static_cast<int>(std::clamp<int64_t>(na - p0, 0, 8));
-    _mm256_mask_storeu_ps(sa + p0, static_cast<__mmask8>((1u << ma) - 1), _mm512_castps512_ps256(s));
-    _mm256_mask_storeu_ps(sb + p0, static_cast<__mmask8>((1u << m) - 1), _mm512_extractf32x8_ps(s, 1));
+    _mm512_store_ps(out, _mm512_mul_ps(sum16(acc), sc));
+    for (int r = 0; r < R; ++r) {
+      const int64_t count = std::clamp<int64_t>(n[r] - p0, 0, K);
+      std::copy(out + r * K, out + r * K + count, s[r] + p0);
+    }
   }
+}
+
+// How many rows score_rows512 scores together at head size D: their queries and the 16
+// accumulators within the 32 registers.
+template <int D>
+constexpr int score_group_rows() {
+  return D <= 32 ? 4 : D <= 64 ? 3 : 1;
 }
 
 // out[r][0..D) += sum over p0 <= p < p1 of w[r][p] * values[p] for R rows at once (one load
@@ -195,29 +184,35 @@ inline void weigh_group512(const float* const* w, const T* const* values, const 
 }
 #endif
 
-template <typename T>
-inline void score_rows_any(const float* q, const T* const* keys, int64_t n, int64_t D, float scale, float* s) {
 #ifdef __AVX512F__
-  if (D == 64) return score_rows512<64>(q, keys, n, scale, s);
-  if (D == 128) return score_rows512<128>(q, keys, n, scale, s);
-  if (D == 32) return score_rows512<32>(q, keys, n, scale, s);
-#endif
-  if (D == 64) return score_rows<64>(q, keys, n, scale, s);
-  if (D == 32) return score_rows<32>(q, keys, n, scale, s);
-  if constexpr (std::is_same_v<T, float>)  // rows_direct() sends bf16 rows of these sizes only
-    for (int64_t p = 0; p < n; ++p) s[p] = ops::dot(q, keys[p], D) * scale;
+template <int D, typename T>
+inline int64_t score_some512(const float* const* q, const T* const* keys, const int64_t* n, int64_t rows, float scale,
+                             float* const* s) {
+  constexpr int most = score_group_rows<D>();
+  const int take = static_cast<int>(std::min<int64_t>(rows, most));
+  if constexpr (most >= 4)
+    if (take == 4) return score_rows512<D, 4>(q, keys, n, scale, s), 4;
+  if constexpr (most >= 3)
+    if (take == 3) return score_rows512<D, 3>(q, keys, n, scale, s), 3;
+  if constexpr (most >= 2)
+    if (take == 2) return score_rows512<D, 2>(q, keys, n, scale, s), 2;
+  return score_rows512<D, 1>(q, keys, n, scale, s), 1;
 }
-
-// score_rows_any for rows a and b (nb >= na keys), sharing the key loads where a kernel does.
-template <typename T>
-inline void score_pair_any(const float* qa, const float* qb, const T* const* keys, int64_t na, int64_t nb,
-                           int64_t D, float scale, float* sa, float* sb) {
-#ifdef __AVX512F__
-  if (D == 64) return score_pair512<64>(qa, qb, keys, na, nb, scale, sa, sb);
-  if (D == 32) return score_pair512<32>(qa, qb, keys, na, nb, scale, sa, sb);
 #endif
-  score_rows_any(qa, keys, na, D, scale, sa);
-  score_rows_any(qb, keys, nb, D, scale, sb);
+
+// Scores of the rows from q[0] on that one kernel call takes together (up to score_group_rows
+// with AVX-512, one with AVX2); how many, or 0 where no kernel has head size D.
+template <typename T>
+inline int64_t score_some(const float* const* q, const T* const* keys, const int64_t* n, int64_t rows, int64_t D,
+                          float scale, float* const* s) {
+#ifdef __AVX512F__
+  if (D == 64) return score_some512<64>(q, keys, n, rows, scale, s);
+  if (D == 128) return score_some512<128>(q, keys, n, rows, scale, s);
+  if (D == 32) return score_some512<32>(q, keys, n, rows, scale, s);
+#endif
+  if (D == 64) return score_rows<64>(q[0], keys, n[0], scale, s[0]), 1;
+  if (D == 32) return score_rows<32>(q[0], keys, n[0], scale, s[0]), 1;
+  return 0;
 }
 
 template <typename T>
@@ -244,20 +239,24 @@ inline void weigh_group_any(const float* const* w, const T* const* values, const
 }
 
 // weights[r][0..n[r]) = queries[r]'s scores against the first n[r] key rows (n
-// non-decreasing), two rows at a time sharing each key load (score_pair_any).
+// non-decreasing), several rows at a time sharing each key load (score_some).
 template <typename T>
 inline void score_group(const float* const* queries, const T* const* keys, const int64_t* n, int64_t rows, int64_t D,
                         float scale, float* const* weights) {
-  for (int64_t r = 0; r < rows; r += 2) {
-    if (r + 1 < rows)
-      score_pair_any(queries[r], queries[r + 1], keys, n[r], n[r + 1], D, scale, weights[r], weights[r + 1]);
-    else
-      score_rows_any(queries[r], keys, n[r], D, scale, weights[r]);
+  for (int64_t r = 0; r < rows;) {
+    const int64_t done = score_some(queries + r, keys, n + r, rows - r, D, scale, weights + r);
+    if (done > 0) {
+      r += done;
+      continue;
+    }
+    if constexpr (std::is_same_v<T, float>)  // rows_direct() sends other rows of these sizes only
+      for (int64_t p = 0; p < n[r]; ++p) weights[r][p] = ops::dot(queries[r], keys[p], D) * scale;
+    ++r;
   }
 }
 
 // The rows of one work item: queries[r] scored against the first seen_by[r] key rows, two rows
-// at a time sharing each key load (score_pair_any), softmax, then weighing the value rows in
+// at a time sharing each key load (score_group), softmax, then weighing the value rows in
 // groups that share each value load (weigh_group_any), into outs[r]. `weights`: each row's
 // scratch for its scores; `factors`: the rows' scales of a scaled cache.
 template <typename T>

@@ -27,17 +27,19 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
-// E4M3 bytes (16-bit lanes, 16 of them) as float16 bits of their value / 2^8: sign, exponent and mantissa
-// moved to float16's places (exponent bias 7 against 15; E4M3 subnormals land on float16
-// subnormals, which F16C widens exactly); the NaN codes (S.1111.111) to a float16 NaN.
 constexpr float kE4M3HalfUnit = 256.0f;  // an E4M3 value over its e4m3_half_bits value
 
+// E4M3 bytes, sign-extended to 16-bit lanes (16 of them), as float16 bits of their value / 2^8:
+// shifted 7 places, the byte's exponent and mantissa land on float16's (exponent bias 7 against
+// 15; E4M3 subnormals land on float16 subnormals, which F16C widens exactly) and the
+// extension's copy of the sign on float16's sign, whose own copy is cleared; the NaN codes
+// (S.1111.111) become a float16 NaN.
 inline __m256i e4m3_half_bits(__m256i x) {
-  const __m256i mag = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3F80));
   const __m256i nan =
       _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x7E00));
-  return _mm256_or_si256(_mm256_or_si256(mag, sign), nan);
+  return _mm256_or_si256(h, nan);
 }
 
 // dst[0..n) = the E4M3 bytes at src times scale. value / 2^8 widened, times 2^8 * scale (exact):
@@ -47,7 +49,7 @@ inline void widen_fp8(const uint8_t* src, float scale, float* dst, int64_t n) {
 #ifdef __AVX512F__
   const __m512 s16 = _mm512_set1_ps(kE4M3HalfUnit * scale);
   for (; i + 16 <= n; i += 16) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(e4m3_half_bits(x)), s16));
   }
 #endif
@@ -55,7 +57,7 @@ inline void widen_fp8(const uint8_t* src, float scale, float* dst, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     __m128i bytes;
     std::memcpy(&bytes, src + i, 8);
-    const __m128i half = _mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepu8_epi16(bytes))));
+    const __m128i half = _mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepi8_epi16(bytes))));
     _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(half), s));
   }
   const float* e4m3 = e4m3_table();
