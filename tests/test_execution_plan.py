@@ -117,10 +117,12 @@ def test_bfloat16_asked_for_takes_the_kernels(llama_bf16_dir):
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here")
 def test_float16_takes_the_row_kernel_in_the_stack(tmp_path, llama_dir):
-    """A float16 checkpoint on a CPU: float32 activations, its float16 weights read by the row
-    kernel (widened exactly) in the layer stack for decodes; the tokens and log-probabilities
-    of the same weights in float32, and the same tokens with speculation."""
+    """A float16 checkpoint on a CPU: float32 activations, its float16 weights read by the
+    packed float16 kernel (AVX-512) or the row kernel (widened exactly) in the layer stack for
+    decodes; the tokens and log-probabilities of the same weights in float32, and the same
+    tokens with speculation."""
     from expresslane import LLM, SamplingParams
+    from expresslane.kernels import cpu_kernels
 
     from .conftest import bf16_copy, random_prompts
 
@@ -130,6 +132,8 @@ def test_float16_takes_the_row_kernel_in_the_stack(tmp_path, llama_dir):
     assert llm.engine.dtype == torch.float32 and model.layer_stack is not None
     assert set(model.plan.linears) == {P.F16_ROWS} and model.plan.stack_rows > 0
     assert llm.engine.kv_store == "plain"  # no float16 KV store: float32 rows
+    packed = [lin._half.dim() == 3 for lin in model.layer_linears()]
+    assert all(packed) == cpu_kernels().f16_dot_available() and any(packed) == all(packed)
     prompts = random_prompts(4, 10, 30, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     got = llm.generate(prompts, params)

@@ -73,6 +73,49 @@ def test_half_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(kernels.half_linear(x[:m], w, b), alone[:m])
 
 
+needs_f16_dot = pytest.mark.skipif(
+    kernels is None or not kernels.f16_dot_available(), reason="no AVX-512 here"
+)
+
+
+@needs_f16_dot
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 13, 17, 25])
+@pytest.mark.parametrize("n, k", [(16, 1), (64, 64), (144, 96), (432, 203)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_f16_dot_linear_matches_float32_reference(m, n, k, bias):
+    """The packed float16 kernel: the float64 matmul of the same (exactly widened) values,
+    within float32 summation."""
+    x, w, b = _random_linear(m, n, k, bias, torch.float16)
+    y = kernels.f16_dot_linear(x, kernels.pack_f16_dot(w), b)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-5)
+
+
+@needs_f16_dot
+def test_f16_dot_linear_rows_do_not_depend_on_the_batch():
+    """Every output is one chain of multiply-adds over k in order, in whichever tile and row
+    pass it falls: bit-identical alone and batched (speculative verification rows)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(27, 203, generator=g)
+    w = torch.randn(432, 203, generator=g).half()  # 27 blocks: partial tiles at every M
+    packed = kernels.pack_f16_dot(w)
+    alone = torch.cat([kernels.f16_dot_linear(x[i : i + 1], packed, None) for i in range(27)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 19, 25, 27):
+        assert torch.equal(kernels.f16_dot_linear(x[:m], packed, None), alone[:m])
+
+
+@needs_f16_dot
+def test_f16_dot_linear_rejects_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="N % 16"):
+        kernels.pack_f16_dot(torch.zeros(24, 8, dtype=torch.float16))
+    packed = kernels.pack_f16_dot(torch.zeros(16, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="against W"):
+        kernels.f16_dot_linear(torch.zeros(1, 6), packed, None)
+    with pytest.raises(RuntimeError, match="aligned"):
+        unaligned = torch.zeros(16 * 8 + 1, dtype=torch.float16)[1:].view(1, 8, 16)
+        kernels.f16_dot_linear(torch.zeros(1, 8), unaligned, None)
+
+
 needs_dot = pytest.mark.skipif(
     kernels is None or not kernels.bf16_dot_available(), reason="no AVX-512 BF16 here"
 )

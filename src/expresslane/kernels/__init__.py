@@ -27,6 +27,7 @@ SOURCES = (
     "bindings.cpp",
     "gemv_cpu.cpp",
     "bf16dot_cpu.cpp",
+    "f16dot_cpu.cpp",
     "layer_stack_cpu.cpp",
     "fp4_cpu.cpp",
     "mask_cpu.cpp",

@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
   m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]", NoGil());
   m.def("bf16_dot_linear", &bf16_dot_linear, "bf16(x) @ W^T (packed bf16) + b, float32 sums (AVX-512 BF16)", NoGil());
+  m.def("f16_dot_available", &f16_dot_available, "whether this build has the AVX-512 float16 linear");
+  m.def("pack_f16_dot", &pack_f16_dot, "float16 W [N, K] -> the f16_dot_linear layout [N/16, K, 16]", NoGil());
+  m.def("f16_dot_linear", &f16_dot_linear, "x (fp32) @ W^T (packed float16) + b, float32 sums (AVX-512)", NoGil());
   m.def("write_kv", &write_kv, "K/V [T, Hkv, D] into a store's native() tensors as the native step writes them", NoGil());
   add_constants(m);
 }

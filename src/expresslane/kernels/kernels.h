@@ -16,6 +16,15 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
 // bf16dot_cpu.cpp: whether this build has bf16_dot_linear (else it and pack_bf16_dot throw).
 bool bf16_dot_available();
 
+// f16dot_cpu.cpp: float16 W [N, K] -> the f16_dot_linear layout [N/16, K, 16].
+torch::Tensor pack_f16_dot(torch::Tensor w);
+
+// f16dot_cpu.cpp: x (fp32) @ W^T (pack_f16_dot's layout, widened exactly) + b (AVX-512).
+torch::Tensor f16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+
+// f16dot_cpu.cpp: whether this build has f16_dot_linear (else it and pack_f16_dot throw).
+bool f16_dot_available();
+
 // fp4_cpu.cpp: x (fp32) @ W^T (E2M1 codes + block scales read as ScaleKind scale_kind,
 // times per-row scales) + b.
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,

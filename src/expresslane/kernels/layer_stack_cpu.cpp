@@ -45,7 +45,9 @@ void each_row(int64_t T, const Fn& f) {
 }  // namespace
 
 torch::Tensor expresslane::Linear::operator()(const torch::Tensor& x) const {
-  if (w.size() == 1) return w[0].dim() == 3 ? bf16_dot_linear(x, w[0], bias) : half_linear(x, w[0], bias);
+  if (w.size() == 1 && w[0].dim() == 3)
+    return w[0].dtype() == torch::kHalf ? f16_dot_linear(x, w[0], bias) : bf16_dot_linear(x, w[0], bias);
+  if (w.size() == 1) return half_linear(x, w[0], bias);
   return fp4_linear(x, w[0], w[1], w[2], bias, block, scale_kind);
 }
 

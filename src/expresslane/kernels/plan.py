@@ -31,7 +31,7 @@ class LinearPath(enum.StrEnum):
 
     BF16_DOT = "bf16-dot"  # AVX-512 BF16 dot products on packed bf16 weights, every batch
     BF16_ROWS = "bf16-rows"  # the bf16 row kernel up to ROW_KERNEL_ROWS rows, then oneDNN
-    F16_ROWS = "f16-rows"  # the same over float16 weights
+    F16_ROWS = "f16-rows"  # the same over float16 weights (packed, f16dot_cpu.cpp, with AVX-512)
     ONEDNN = "onednn"  # oneDNN on weights prepacked in the compute dtype
     TORCH = "torch"  # F.linear
     FP4_W4A8 = "fp4-w4a8"  # kernels/fp4_cpu.cpp: FP4 codes expanded in registers, every batch

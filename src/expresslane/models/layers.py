@@ -48,7 +48,7 @@ class Linear(nn.Module):
             self.weight = None
             return
         if self.path in ROW_PATHS:
-            self._half, self._half_kernel = w, cpu_kernels().half_linear
+            self._half, self._half_kernel = _row_kernel(w)
         w = w.to(compute_dtype)
         if dense_path(compute_dtype) is LinearPath.ONEDNN:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
@@ -70,6 +70,17 @@ class Linear(nn.Module):
                 x, self._packed, self.bias, "none", [None], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+
+def _row_kernel(w: torch.Tensor):
+    """(what the kernel reads, the kernel) for a 16-bit weight of a row path: float16 packed
+    for the AVX-512 float16 kernel where the build has it, else the row kernel on W as stored."""
+    from expresslane.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if w.dtype == torch.float16 and kernels.f16_dot_available() and w.shape[0] % 16 == 0:
+        return kernels.pack_f16_dot(w), kernels.f16_dot_linear
+    return w, kernels.half_linear
 
 
 def make_linear(weight, bias: torch.Tensor | None = None) -> nn.Module:
