@@ -92,19 +92,6 @@ def test_f16_dot_linear_matches_float32_reference(m, n, k, bias):
 
 
 @needs_f16_dot
-def test_f16_dot_linear_rows_do_not_depend_on_the_batch():
-    """Every output is one chain of multiply-adds over k in order, in whichever tile and row
-    pass it falls: bit-identical alone and batched (speculative verification rows)."""
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(27, 203, generator=g)
-    w = torch.randn(432, 203, generator=g).half()  # 27 blocks: partial tiles at every M
-    packed = kernels.pack_f16_dot(w)
-    alone = torch.cat([kernels.f16_dot_linear(x[i : i + 1], packed, None) for i in range(27)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 19, 25, 27):
-        assert torch.equal(kernels.f16_dot_linear(x[:m], packed, None), alone[:m])
-
-
-@needs_f16_dot
 def test_f16_dot_linear_rejects_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="N % 16"):
         kernels.pack_f16_dot(torch.zeros(24, 8, dtype=torch.float16))
@@ -138,17 +125,26 @@ def test_bf16_dot_linear_matches_reference(m, n, k, bias):
     torch.testing.assert_close(y, _bf16_dot_reference(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-@needs_dot
-def test_bf16_dot_linear_rows_do_not_depend_on_the_batch():
-    """Every output is one chain of dot products over k in order, in whichever tile and row
-    pass it falls: bit-identical alone and batched (speculative verification rows)."""
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dot_linear_rows_do_not_depend_on_the_batch(dtype):
+    """Every output of the packed kernels (bf16 dot products, float16 multiply-adds) is one
+    chain over k in order, in whichever tile and row pass it falls: bit-identical alone and
+    batched (speculative verification rows)."""
+    bf16 = dtype == torch.bfloat16
+    if not (kernels.bf16_dot_available() if bf16 else kernels.f16_dot_available()):
+        pytest.skip("no AVX-512 (BF16) here")
+    pack, linear = (
+        (kernels.pack_bf16_dot, kernels.bf16_dot_linear)
+        if bf16
+        else (kernels.pack_f16_dot, kernels.f16_dot_linear)
+    )
     g = torch.Generator().manual_seed(7)
     x = torch.randn(27, 202, generator=g)  # 202: a tail of 10 values after 6 * 32
-    w = torch.randn(432, 202, generator=g).bfloat16()  # 27 blocks: partial tiles at every M
-    packed = kernels.pack_bf16_dot(w)
-    alone = torch.cat([kernels.bf16_dot_linear(x[i : i + 1], packed, None) for i in range(27)])
+    packed = pack(torch.randn(432, 202, generator=g).to(dtype))  # 27 blocks: partial tiles
+    alone = torch.cat([linear(x[i : i + 1], packed, None) for i in range(27)])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 19, 25, 27):
-        assert torch.equal(kernels.bf16_dot_linear(x[:m], packed, None), alone[:m])
+        assert torch.equal(linear(x[:m], packed, None), alone[:m])
 
 
 @needs_dot

@@ -25,11 +25,7 @@
 #ifdef __AVX512BF16__
 namespace {
 
-// Accumulators per tile: NB blocks of 16 columns for each of MB rows, within 32 zmm registers.
-template <int MB>
-constexpr int blocks_per_tile() {
-  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : MB <= 8 ? 3 : 2;
-}
+using expresslane::blocks_per_tile;
 
 // Rows m0..m0+MB of x (bf16 pairs as uint32, [M, K2]) against column blocks b0..b0+NB.
 template <int MB, int NB>
@@ -47,27 +43,7 @@ inline void tile(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n = (b0 + j) * 16;
-      __m512 v = acc[m][j];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-      _mm512_storeu_ps(y + m * N + n, v);
-    }
-}
-
-// Column blocks [b, c1) for MB rows: tiles of NB blocks, the rest in tiles of NB/2, ...
-template <int MB, int NB>
-void run_tiles(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64_t N, int64_t b, int64_t c1,
-               const float* bias) {
-  for (; b + NB <= c1; b += NB) tile<MB, NB>(xp, w, K2, y, N, b, bias);
-  if constexpr (NB > 1) run_tiles<MB, NB / 2>(xp, w, K2, y, N, b, c1, bias);
-}
-
-template <int MB>
-void row_block(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int64_t N, int64_t c0, int64_t c1,
-               const float* bias) {
-  run_tiles<MB, blocks_per_tile<MB>()>(xp, w, K2, y, N, c0, c1, bias);
+  expresslane::store_tile(acc, y, N, b0, bias);
 }
 
 // x [M, 2 K2] float32 to bf16 pairs (round to nearest even), [M, K2] as uint32; rows split
@@ -117,38 +93,13 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
   auto y = torch::empty({M, N}, x.options());
   const auto* w = reinterpret_cast<const __m512i*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
-  // columns split across threads; each runs every row pass over a chunk of columns while
-  // that chunk of W (kChunk * K * 32 bytes) is in L2, then moves on
-  constexpr int64_t kChunk = 24;  // a multiple of every blocks_per_tile
-  // 12 blocks per thread at least: N = 384 still splits (5-row passes measured faster on two)
-  at::parallel_for(0, N / 16, 12, [&](int64_t c0, int64_t c1) {
-    for (int64_t cc = c0; cc < c1; cc += kChunk) {
-      const int64_t ce = std::min(cc + kChunk, c1);
-      // row passes of at most 12, balanced (13 rows: 7 + 6, not 12 + 1: a one-row pass has
-      // too few accumulation chains to keep the dot-product units busy). Past 12 rows a
-      // single pass would hold one column block per tile and wait on its broadcasts of x.
-      const int64_t passes = (M + 11) / 12;
-      for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
-        const int64_t rows = (M - m0 + (passes - pass) - 1) / (passes - pass);
-        const uint32_t* xp = xb.get() + m0 * K2;
-        float* ym = yp + m0 * N;
-        m0 += rows;
-        switch (rows) {
-          case 1: row_block<1>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 2: row_block<2>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 3: row_block<3>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 4: row_block<4>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 5: row_block<5>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 6: row_block<6>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 7: row_block<7>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 8: row_block<8>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 9: row_block<9>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 10: row_block<10>(xp, w, K2, ym, N, cc, ce, b); break;
-          case 11: row_block<11>(xp, w, K2, ym, N, cc, ce, b); break;
-          default: row_block<12>(xp, w, K2, ym, N, cc, ce, b); break;
-        }
-      }
-    }
+  expresslane::for_dot_passes(M, N / 16, [&](int64_t m0, int64_t rows, int64_t c0, int64_t c1) {
+    expresslane::with_rows<12>(rows, [&](auto mb) {
+      constexpr int MB = decltype(mb)::value;
+      expresslane::run_tiles<blocks_per_tile<MB>()>(c0, c1, [&](auto nb, int64_t b0) {
+        tile<MB, decltype(nb)::value>(xb.get() + m0 * K2, w, K2, yp + m0 * N, N, b0, b);
+      });
+    });
   });
   return y;
 }

@@ -2,9 +2,12 @@
 #pragma once
 #include <torch/extension.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
+#include <type_traits>
 
 namespace expresslane {
 
@@ -51,6 +54,65 @@ inline const float* float_bias(const c10::optional<torch::Tensor>& bias, torch::
 template <int MaxRows = 4, typename Fn>
 inline void for_row_blocks(int64_t M, Fn&& fn) {
   for (int64_t m0 = 0; m0 < M; m0 += MaxRows) fn(m0, std::min<int64_t>(MaxRows, M - m0));
+}
+
+// The dot-product kernels' tiling (bf16dot_cpu.cpp, f16dot_cpu.cpp). Accumulators per tile:
+// NB blocks of 16 columns for each of MB rows, within 32 zmm registers.
+template <int MB>
+constexpr int blocks_per_tile() {
+  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : MB <= 8 ? 3 : 2;
+}
+
+// tile(std::integral_constant<int, nb>{}, b) over column blocks [b, c1): tiles of NB blocks,
+// the rest in tiles of NB/2, ...
+template <int NB, typename Tile>
+inline void run_tiles(int64_t b, int64_t c1, const Tile& tile) {
+  for (; b + NB <= c1; b += NB) tile(std::integral_constant<int, NB>{}, b);
+  if constexpr (NB > 1) run_tiles<NB / 2>(b, c1, tile);
+}
+
+#ifdef __AVX512F__
+// Rows 0..MB of y ([*, N]), column blocks b0..b0+NB = acc (+ bias).
+template <int MB, int NB>
+inline void store_tile(const __m512 (&acc)[MB][NB], float* y, int64_t N, int64_t b0, const float* bias) {
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = (b0 + j) * 16;
+      __m512 v = acc[m][j];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      _mm512_storeu_ps(y + m * N + n, v);
+    }
+}
+#endif
+
+// f(std::integral_constant<int, rows>{}) for 1 <= rows <= Max: one instantiation per row count.
+template <int Max, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (Max > 1)
+    if (rows < Max) return with_rows<Max - 1>(rows, f);
+  f(std::integral_constant<int, Max>{});
+}
+
+// pass(m0, rows, c0, c1) over M rows and `blocks` blocks of 16 columns: the blocks split across
+// threads, each running every row pass over a chunk of them while that chunk of W is in L2,
+// then moving on. Passes of at most 12 rows, balanced (13 rows: 7 + 6, not 12 + 1: a one-row
+// pass has too few accumulation chains to keep the units busy); past 12 rows a single pass
+// would hold one column block per tile and wait on its broadcasts of x.
+template <typename Pass>
+inline void for_dot_passes(int64_t M, int64_t blocks, const Pass& pass) {
+  constexpr int64_t kChunk = 24;  // a multiple of every blocks_per_tile
+  // 12 blocks per thread at least: N = 384 still splits (5-row passes measured faster on two)
+  at::parallel_for(0, blocks, 12, [&](int64_t c0, int64_t c1) {
+    for (int64_t cc = c0; cc < c1; cc += kChunk) {
+      const int64_t ce = std::min(cc + kChunk, c1);
+      const int64_t passes = (M + 11) / 12;
+      for (int64_t m0 = 0, p = 0; m0 < M; ++p) {
+        const int64_t rows = (M - m0 + (passes - p) - 1) / (passes - p);
+        pass(m0, rows, cc, ce);
+        m0 += rows;
+      }
+    }
+  });
 }
 
 }  // namespace expresslane

@@ -21,11 +21,7 @@
 #ifdef __AVX512F__
 namespace {
 
-// Accumulators per tile: NB blocks of 16 columns for each of MB rows, within 32 zmm registers.
-template <int MB>
-constexpr int blocks_per_tile() {
-  return MB == 1 ? 8 : MB == 2 ? 6 : MB <= 6 ? 4 : MB <= 8 ? 3 : 2;
-}
+using expresslane::blocks_per_tile;
 
 // Rows 0..MB of x ([*, K] float32) against column blocks b0..b0+NB of W ([N/16, K, 16]).
 template <int MB, int NB>
@@ -43,30 +39,7 @@ inline void tile(const float* x, const c10::Half* w, int64_t K, float* y, int64_
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n = (b0 + j) * 16;
-      __m512 v = acc[m][j];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-      _mm512_storeu_ps(y + m * N + n, v);
-    }
-}
-
-// Column blocks [b, c1) for MB rows: tiles of NB blocks, the rest in tiles of NB/2, ...
-template <int MB, int NB>
-void run_tiles(const float* x, const c10::Half* w, int64_t K, float* y, int64_t N, int64_t b, int64_t c1,
-               const float* bias) {
-  for (; b + NB <= c1; b += NB) tile<MB, NB>(x, w, K, y, N, b, bias);
-  if constexpr (NB > 1) run_tiles<MB, NB / 2>(x, w, K, y, N, b, c1, bias);
-}
-
-// row_block<MB> for rows = MB (1..Max), one instantiation each.
-template <int Max>
-void row_block(int64_t rows, const float* x, const c10::Half* w, int64_t K, float* y, int64_t N, int64_t c0,
-               int64_t c1, const float* bias) {
-  if constexpr (Max > 1)
-    if (rows < Max) return row_block<Max - 1>(rows, x, w, K, y, N, c0, c1, bias);
-  run_tiles<Max, blocks_per_tile<Max>()>(x, w, K, y, N, c0, c1, bias);
+  expresslane::store_tile(acc, y, N, b0, bias);
 }
 
 }  // namespace
@@ -94,19 +67,13 @@ torch::Tensor f16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
   const float* xp = x.data_ptr<float>();
   const c10::Half* w = packed.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
-  // as bf16_dot_linear: columns split across threads, each running every row pass over a chunk
-  // of columns while that chunk of W is in L2; passes of at most 12 rows, balanced
-  constexpr int64_t kChunk = 24;  // a multiple of every blocks_per_tile
-  at::parallel_for(0, N / 16, 12, [&](int64_t c0, int64_t c1) {
-    for (int64_t cc = c0; cc < c1; cc += kChunk) {
-      const int64_t ce = std::min(cc + kChunk, c1);
-      const int64_t passes = (M + 11) / 12;
-      for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
-        const int64_t rows = (M - m0 + (passes - pass) - 1) / (passes - pass);
-        row_block<12>(rows, xp + m0 * K, w, K, yp + m0 * N, N, cc, ce, b);
-        m0 += rows;
-      }
-    }
+  expresslane::for_dot_passes(M, N / 16, [&](int64_t m0, int64_t rows, int64_t c0, int64_t c1) {
+    expresslane::with_rows<12>(rows, [&](auto mb) {
+      constexpr int MB = decltype(mb)::value;
+      expresslane::run_tiles<blocks_per_tile<MB>()>(c0, c1, [&](auto nb, int64_t b0) {
+        tile<MB, decltype(nb)::value>(xp + m0 * K, w, K, yp + m0 * N, N, b0, b);
+      });
+    });
   });
   return y;
 }
