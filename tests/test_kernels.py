@@ -73,56 +73,39 @@ def test_half_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(kernels.half_linear(x[:m], w, b), alone[:m])
 
 
-needs_f16_dot = pytest.mark.skipif(
-    kernels is None or not kernels.f16_dot_available(), reason="no AVX-512 here"
-)
-
-
-@needs_f16_dot
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 13, 17, 25])
-@pytest.mark.parametrize("n, k", [(16, 1), (64, 64), (144, 96), (432, 203)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_f16_dot_linear_matches_float32_reference(m, n, k, bias):
-    """The packed float16 kernel: the float64 matmul of the same (exactly widened) values,
-    within float32 summation."""
-    x, w, b = _random_linear(m, n, k, bias, torch.float16)
-    y = kernels.f16_dot_linear(x, kernels.pack_f16_dot(w), b)
-    ref = x.double() @ w.double().T + (0 if b is None else b.double())
-    torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-5)
-
-
-@needs_f16_dot
-def test_f16_dot_linear_rejects_what_it_cannot_take():
-    with pytest.raises(RuntimeError, match="N % 16"):
-        kernels.pack_f16_dot(torch.zeros(24, 8, dtype=torch.float16))
-    packed = kernels.pack_f16_dot(torch.zeros(16, 8, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="against W"):
-        kernels.f16_dot_linear(torch.zeros(1, 6), packed, None)
-    with pytest.raises(RuntimeError, match="aligned"):
-        unaligned = torch.zeros(16 * 8 + 1, dtype=torch.float16)[1:].view(1, 8, 16)
-        kernels.f16_dot_linear(torch.zeros(1, 8), unaligned, None)
-
-
-needs_dot = pytest.mark.skipif(
-    kernels is None or not kernels.bf16_dot_available(), reason="no AVX-512 BF16 here"
-)
-
-
-def _bf16_dot_reference(x, w, b=None):
-    """What the dot-product kernel computes: x rounded to bf16, exact products, float64 sums
-    (the kernel sums in float32, hence the tolerance)."""
-    y = x.bfloat16().double() @ w.double().T
+def _dot_reference(x, w, b=None):
+    """What the packed kernels compute: x rounded to bf16 against bf16 weights (the dot
+    products) or as it is against float16 ones (widened exactly), exact products, float64 sums
+    (the kernels sum in float32, hence the tolerances)."""
+    xs = x.bfloat16() if w.dtype == torch.bfloat16 else x
+    y = xs.double() @ w.double().T
     return (y if b is None else y + b.double()).float()
 
 
-@needs_dot
+def _dot_kernel(dtype):
+    """(pack, linear) of the packed kernel for bf16 (AVX-512 BF16 dot products) or float16
+    (AVX-512 multiply-adds) weights; skips where this build lacks it."""
+    if dtype == torch.bfloat16:
+        if not kernels.bf16_dot_available():
+            pytest.skip("no AVX-512 BF16 here")
+        return kernels.pack_bf16_dot, kernels.bf16_dot_linear
+    if not kernels.f16_dot_available():
+        pytest.skip("no AVX-512 here")
+    return kernels.pack_f16_dot, kernels.f16_dot_linear
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17, 25])
-@pytest.mark.parametrize("n, k", [(16, 2), (64, 64), (144, 96), (432, 202)])
+@pytest.mark.parametrize("n, k", [(16, 1), (16, 2), (64, 64), (144, 96), (432, 202), (432, 203)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_dot_linear_matches_reference(m, n, k, bias):
-    x, w, b = _random_linear(m, n, k, bias)
-    y = kernels.bf16_dot_linear(x, kernels.pack_bf16_dot(w), b)
-    torch.testing.assert_close(y, _bf16_dot_reference(x, w, b), atol=1e-4, rtol=1e-5)
+def test_dot_linear_matches_reference(dtype, m, n, k, bias):
+    """The packed kernels against what they compute (_dot_reference)."""
+    pack, linear = _dot_kernel(dtype)
+    if dtype == torch.bfloat16 and k % 2:
+        pytest.skip("the bf16 layout holds pairs of k")
+    x, w, b = _random_linear(m, n, k, bias, dtype)
+    torch.testing.assert_close(linear(x, pack(w), b), _dot_reference(x, w, b), atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
@@ -131,14 +114,7 @@ def test_dot_linear_rows_do_not_depend_on_the_batch(dtype):
     """Every output of the packed kernels (bf16 dot products, float16 multiply-adds) is one
     chain over k in order, in whichever tile and row pass it falls: bit-identical alone and
     batched (speculative verification rows)."""
-    bf16 = dtype == torch.bfloat16
-    if not (kernels.bf16_dot_available() if bf16 else kernels.f16_dot_available()):
-        pytest.skip("no AVX-512 (BF16) here")
-    pack, linear = (
-        (kernels.pack_bf16_dot, kernels.bf16_dot_linear)
-        if bf16
-        else (kernels.pack_f16_dot, kernels.f16_dot_linear)
-    )
+    pack, linear = _dot_kernel(dtype)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(27, 202, generator=g)  # 202: a tail of 10 values after 6 * 32
     packed = pack(torch.randn(432, 202, generator=g).to(dtype))  # 27 blocks: partial tiles
@@ -147,16 +123,18 @@ def test_dot_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(linear(x[:m], packed, None), alone[:m])
 
 
-@needs_dot
-def test_bf16_dot_linear_rejects_what_it_cannot_take():
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dot_linear_rejects_what_it_cannot_take(dtype):
+    pack, linear = _dot_kernel(dtype)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels.pack_bf16_dot(torch.zeros(24, 8, dtype=torch.bfloat16))
-    packed = kernels.pack_bf16_dot(torch.zeros(16, 8, dtype=torch.bfloat16))
+        pack(torch.zeros(24, 8, dtype=dtype))
+    packed = pack(torch.zeros(16, 8, dtype=dtype))
     with pytest.raises(RuntimeError, match="against W"):
-        kernels.bf16_dot_linear(torch.zeros(1, 6), packed, None)
+        linear(torch.zeros(1, 6), packed, None)
     with pytest.raises(RuntimeError, match="aligned"):
-        unaligned = torch.zeros(16 * 8 + 1, dtype=torch.bfloat16)[1:].view(1, 4, 32)
-        kernels.bf16_dot_linear(torch.zeros(1, 8), unaligned, None)
+        unaligned = torch.zeros(packed.numel() + 1, dtype=dtype)[1:].view(packed.shape)
+        linear(torch.zeros(1, 8), unaligned, None)
 
 
 @needs_kernels
@@ -173,11 +151,11 @@ def test_linear_runs_the_kernels_on_bf16_weights():
     assert lin.kernel_weights()[0].dim() == (3 if dot else 2)
     for m in (1, ROW_KERNEL_ROWS):
         x = torch.randn(m, 64)
-        ref = _bf16_dot_reference(x, w, bias) if dot else F.linear(x, w.float(), bias)
+        ref = _dot_reference(x, w, bias) if dot else F.linear(x, w.float(), bias)
         torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
     x = torch.randn(ROW_KERNEL_ROWS + 300, 64)
     if dot:
-        torch.testing.assert_close(lin(x), _bf16_dot_reference(x, w, bias), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lin(x), _dot_reference(x, w, bias), atol=1e-4, rtol=1e-4)
         for rows in (slice(0, 1), slice(5, 22), slice(100, 316)):
             assert torch.equal(lin(x[rows]), lin(x)[rows])
     else:

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -18,20 +17,14 @@ namespace expresslane {
 
 // A key or value row's next 8 (16) values as float32: in place from a float32 cache, widened
 // from a bf16 one (the same floats the bf16 store's reads give), and from an FP8 one the E4M3
-// values / 2^8 (e4m3_half_bits; the 2^8 goes into the row's scale, RowScales).
+// values / 2^8 (e4m3x8; the 2^8 goes into the row's scale, RowScales).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
-inline __m256 load8(const uint8_t* p) {
-  __m128i bytes;
-  std::memcpy(&bytes, p, 8);
-  return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepi8_epi16(bytes)))));
-}
+inline __m256 load8(const uint8_t* p) { return e4m3x8(p); }
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
-inline __m512 load16(const uint8_t* p) {
-  return _mm512_cvtph_ps(e4m3_half_bits(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-}
+inline __m512 load16(const uint8_t* p) { return e4m3x16(p); }
 #endif
 
 // The factors of a scaled cache's rows (FP8: each row's scale times 2^8), by key position;
@@ -172,31 +165,22 @@ inline void weigh_group512(const float* const* w, const T* const* values, const 
   for (int r0 = 0; r0 < rows; r0 += R) {
     const int m = std::min(R, rows - r0);
     const int64_t shared = n[r0];
-    switch (m) {
-      case 1: weigh_rows512<D, 1>(w + r0, values, 0, shared, out + r0, false); break;
-      case 2: weigh_rows512<D, 2>(w + r0, values, 0, shared, out + r0, false); break;
-      case 3: if constexpr (R >= 3) weigh_rows512<D, 3>(w + r0, values, 0, shared, out + r0, false); break;
-      default: if constexpr (R >= 4) weigh_rows512<D, 4>(w + r0, values, 0, shared, out + r0, false); break;
-    }
+    with_rows<R>(m, [&](auto g) {
+      weigh_rows512<D, decltype(g)::value>(w + r0, values, 0, shared, out + r0, false);
+    });
     for (int r = r0; r < r0 + m; ++r)
       if (n[r] > shared) weigh_rows512<D, 1>(w + r, values, shared, n[r], out + r, true);
   }
 }
-#endif
 
-#ifdef __AVX512F__
 template <int D, typename T>
 inline int64_t score_some512(const float* const* q, const T* const* keys, const int64_t* n, int64_t rows, float scale,
                              float* const* s) {
-  constexpr int most = score_group_rows<D>();
-  const int take = static_cast<int>(std::min<int64_t>(rows, most));
-  if constexpr (most >= 4)
-    if (take == 4) return score_rows512<D, 4>(q, keys, n, scale, s), 4;
-  if constexpr (most >= 3)
-    if (take == 3) return score_rows512<D, 3>(q, keys, n, scale, s), 3;
-  if constexpr (most >= 2)
-    if (take == 2) return score_rows512<D, 2>(q, keys, n, scale, s), 2;
-  return score_rows512<D, 1>(q, keys, n, scale, s), 1;
+  const int64_t take = std::min<int64_t>(rows, score_group_rows<D>());
+  with_rows<score_group_rows<D>()>(take, [&](auto r) {
+    score_rows512<D, decltype(r)::value>(q, keys, n, scale, s);
+  });
+  return take;
 }
 #endif
 
@@ -255,8 +239,8 @@ inline void score_group(const float* const* queries, const T* const* keys, const
   }
 }
 
-// The rows of one work item: queries[r] scored against the first seen_by[r] key rows, two rows
-// at a time sharing each key load (score_group), softmax, then weighing the value rows in
+// The rows of one work item: queries[r] scored against the first seen_by[r] key rows, several
+// rows at a time sharing each key load (score_group), softmax, then weighing the value rows in
 // groups that share each value load (weigh_group_any), into outs[r]. `weights`: each row's
 // scratch for its scores; `factors`: the rows' scales of a scaled cache.
 template <typename T>

@@ -46,7 +46,8 @@ inline void tile(const float* x, const c10::Half* w, int64_t K, float* y, int64_
 
 // W [N, K] float16 -> [N/16, K, 16]: block b, column k holds W[16b + i, k] at i.
 torch::Tensor pack_f16_dot(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kHalf && w.dim() == 2 && w.size(0) % 16 == 0, "w: float16 [N, K], N % 16 == 0");
+  TORCH_CHECK(w.dtype() == torch::kHalf && w.dim() == 2 && w.size(0) % 16 == 0,
+              "w: float16 [N, K], N a multiple of 16");
   const int64_t N = w.size(0), K = w.size(1);
   // 32-byte aligned rows (aligned loads); torch's CPU allocator aligns to 64 bytes
   return w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();

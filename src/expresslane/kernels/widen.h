@@ -42,24 +42,29 @@ inline __m256i e4m3_half_bits(__m256i x) {
   return _mm256_or_si256(h, nan);
 }
 
+// 8 (16) E4M3 bytes at p as float32: their values / 2^8 (kE4M3HalfUnit times each is its
+// value, exactly).
+inline __m256 e4m3x8(const uint8_t* p) {
+  __m128i bytes;
+  std::memcpy(&bytes, p, 8);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepi8_epi16(bytes)))));
+}
+#ifdef __AVX512F__
+inline __m512 e4m3x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(e4m3_half_bits(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
+#endif
+
 // dst[0..n) = the E4M3 bytes at src times scale. value / 2^8 widened, times 2^8 * scale (exact):
 // the same product, rounded once, as e4m3_table()[byte] * scale.
 inline void widen_fp8(const uint8_t* src, float scale, float* dst, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
   const __m512 s16 = _mm512_set1_ps(kE4M3HalfUnit * scale);
-  for (; i + 16 <= n; i += 16) {
-    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(e4m3_half_bits(x)), s16));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(e4m3x16(src + i), s16));
 #endif
   const __m256 s = _mm256_set1_ps(kE4M3HalfUnit * scale);
-  for (; i + 8 <= n; i += 8) {
-    __m128i bytes;
-    std::memcpy(&bytes, src + i, 8);
-    const __m128i half = _mm256_castsi256_si128(e4m3_half_bits(_mm256_castsi128_si256(_mm_cvtepi8_epi16(bytes))));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(half), s));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(e4m3x8(src + i), s));
   const float* e4m3 = e4m3_table();
   for (; i < n; ++i) dst[i] = e4m3[src[i]] * scale;
 }
