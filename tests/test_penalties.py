@@ -1,4 +1,4 @@
-"""Penalties, logit_bias and min_p (engine/penalties.py) against a plain PyTorch reference,
+"""Penalties and logit_bias (engine/penalties.py) against a plain PyTorch reference,
 with and without speculation; prompt logprobs (engine/prompt_logprobs.py) against
 transformers' own log-softmax."""
 
@@ -21,8 +21,7 @@ NGRAM = {"method": "ngram", "num_tokens": 4, "max_batch": None}
 
 def reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams):
     """The adjustments written out token by token: logit_bias, then repetition_penalty over
-    the prompt and output, then frequency and presence penalties over the output, then min_p
-    at the request's temperature."""
+    the prompt and output, then frequency and presence penalties over the output."""
     logits = logits.clone()
     for token, bias in (p.logit_bias or {}).items():
         logits[token] += bias
@@ -31,9 +30,6 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: Sam
         logits[token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
     for token in set(output):
         logits[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
-    if p.min_p > 0 and not p.greedy:
-        probs = (logits / p.temperature).softmax(-1)
-        logits[probs < p.min_p * probs.max()] = float("-inf")
     return logits
 
 
@@ -98,7 +94,7 @@ def test_greedy_with_adjustments_is_identical_with_speculation(llama_dir, llm, c
 
 def test_batched_adjustments_match_the_reference_row_by_row():
     """Rows of verification windows (offsets) and plain rows, each request with its own
-    settings, some with none; min_p on sampled rows only."""
+    settings, some with none (min_p is the sampler's: it changes no logits here)."""
     g = torch.Generator().manual_seed(0)
     settings = [
         dict(presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.5),

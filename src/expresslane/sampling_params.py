@@ -148,11 +148,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, biases or min_p change this request's logits (engine/penalties.py)."""
+        """Penalties or biases change this request's logits (engine/penalties.py)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
-            or (self.min_p > 0.0 and not self.greedy)
         )

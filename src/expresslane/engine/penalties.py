@@ -6,8 +6,8 @@ token is picked (greedy rows too), in vLLM's order and with its semantics:
    far has a positive logit divided by it, a negative one multiplied.
 3. `frequency_penalty` and `presence_penalty` (OpenAI): a token's logit is lowered by
    frequency_penalty * its count in the output so far, plus presence_penalty if it is there.
-4. `min_p` (vLLM), sampled rows only: at the request's temperature, tokens less likely than
-   min_p times the most likely one are dropped (for greedy rows it changes nothing).
+
+Then the sampler takes temperature, `min_p`, `top_k` and `top_p` (engine/sampler.py).
 
 "The output so far" of a row that scores position j of a speculative guess window is the
 request's output plus its first j guesses, the history that row's token follows if it is
@@ -36,8 +36,6 @@ def apply_penalties(
     _add_bias(sub, sub_reqs)
     if any(_penalized(r) for r in sub_reqs):
         sub = _penalize(sub, sub_reqs, sub_offsets)
-    if any(r.params.min_p > 0.0 and not r.params.greedy for r in sub_reqs):
-        sub = _min_p(sub, sub_reqs)
     return logits.index_copy(0, index, sub)
 
 
@@ -99,16 +97,3 @@ def _penalize(logits: torch.Tensor, reqs: list[Request], offsets: list[int]) -> 
         - column("frequency_penalty") * counts
         - column("presence_penalty") * (counts > 0).to(logits.dtype)
     )
-
-
-def _min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    dev = logits.device
-    min_p = torch.tensor(
-        [0.0 if r.params.greedy else r.params.min_p for r in reqs], device=dev
-    ).unsqueeze(1)
-    temps = torch.tensor(
-        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs], device=dev
-    ).unsqueeze(1)
-    probs = (logits / temps).softmax(dim=-1)
-    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))

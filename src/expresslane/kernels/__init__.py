@@ -31,6 +31,7 @@ SOURCES = (
     "layer_stack_cpu.cpp",
     "fp4_cpu.cpp",
     "mask_cpu.cpp",
+    "sample_cpu.cpp",
 )
 
 

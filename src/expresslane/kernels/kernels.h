@@ -33,6 +33,11 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 // mask_cpu.cpp: grammar masks, the logits of tokens a row's bitmask disallows set to -inf.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows);
 
+// sample_cpu.cpp: one token per row of logits drawn at its temperature (float64 [B]) after
+// min_p, top_k (int64, <= 0: off) and top_p, with its uniform draw u (float64 [B]).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u);
+
 // layer_stack_cpu.cpp: each row's index of its first maximum, as torch.argmax.
 torch::Tensor argmax_rows(torch::Tensor x);
 
