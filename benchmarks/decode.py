@@ -8,6 +8,7 @@ and 16x512 prompt tokens (`--prefill`).
 
     python benchmarks/decode.py [--batches 1,16,32,64,128] [--prefill 1x2048,16x512]
                                 [--rounds 5] [--skip-hf] [--dtype auto] [--quantization nvfp4]
+                                [--temperature 0] [--top-p 1]
 
 Batch-1 decode is measured in `--rounds` rounds that alternate the engines (models loaded
 once), and the ratios are medians of per-round ratios: this machine's memory bandwidth drifts
@@ -16,7 +17,8 @@ by tens of percent within minutes, which would otherwise favour whichever engine
 transformers runs in the checkpoint's dtype (bf16) and, because bf16 matmuls are slow on CPUs
 without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype="auto" unless
 `--dtype` names another, and the bf16 weights unless `--quantization` names an FP4 format; it
-decodes greedily unless `--temperature` is set (transformers always decodes greedily).
+decodes greedily unless `--temperature` is set (with `--top-p`, nucleus sampling; transformers
+always decodes greedily).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
         max_batch=max(batches),
         max_num_batched_tokens=2048,
     )
-    sp = SamplingParams(max_tokens=NEW, temperature=args.temperature, ignore_eos=True, seed=0)
+    sp = SamplingParams(
+        max_tokens=NEW, temperature=args.temperature, top_p=args.top_p, ignore_eos=True, seed=0
+    )
     llm.generate(prompts(2), sp)  # warm-up
     out = {"dtype": str(llm.engine.dtype).removeprefix("torch.")}
     for b in batches:
@@ -131,6 +135,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", default="auto", help="expresslane's dtype (auto, bfloat16, ...)")
     ap.add_argument("--temperature", type=float, default=0.0, help="expresslane's sampling")
+    ap.add_argument("--top-p", type=float, default=1.0, help="expresslane's sampling")
     ap.add_argument("--quantization", default=None, help="expresslane's weights: nvfp4, mxfp4")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
