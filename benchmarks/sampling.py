@@ -1,12 +1,15 @@
-"""Sampling cost per decode step: the native CPU kernel (kernels/sample_cpu.cpp) against the
-PyTorch path of the same sampler (softmax, sorts for top-k/top-p, a float64 cumsum), same
-logits, same run.
+"""Sampling cost per decode step. `draws`: the native CPU kernel (kernels/sample_cpu.cpp)
+against the PyTorch path of the same sampler (softmax, sorts for top-k/top-p, a float64
+cumsum), same logits, same run. `steps`: the whole sampler step (penalties, logit_bias,
+logprobs) at batch 64, for comparing two versions of the code (run it with each on
+PYTHONPATH).
 
 Logits: random normal x 3 over SmolLM2's 49,152-token vocabulary (a flat distribution: top_p
 keeps thousands of tokens, the hard case for a sort-free filter). Each setting is timed at
-each batch size, the two paths in turns; ms per step, the median of `--repeats` steps.
+each batch size, the two paths in turns; ms per step, the median of `--repeats` steps. In
+`steps` each request has 128 prompt and 200 output tokens.
 
-    python benchmarks/sampling.py [--batches 1,16,64] [--vocab 49152] [--repeats 20]
+    python benchmarks/sampling.py [--only draws|steps] [--batches 1,16,64] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from expresslane import SamplingParams
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler
 
+STEPS = {
+    "temperature 1": dict(temperature=1.0),
+    "frequency 0.5, presence 0.3": dict(frequency_penalty=0.5, presence_penalty=0.3),
+    "repetition 1.1": dict(repetition_penalty=1.1),
+    "logit_bias (2 tokens)": dict(logit_bias={5: 2.0, 7: -3.0}),
+    "logprobs 5": dict(logprobs=5),
+}
 SETTINGS = {
     "temperature 1": dict(temperature=1.0),
     "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
@@ -53,12 +63,7 @@ def compare(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], repeats
     return tuple(statistics.median(t) for t in zip(*turns, strict=True))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+def draws(args) -> list[dict]:
     sampler = Sampler(torch.device("cpu"), seed=0)
     rows = []
     print("| setting | batch | PyTorch ms | native ms | speedup |\n|---|---|---|---|---|")
@@ -69,7 +74,45 @@ def main() -> None:
             t_py, t_native = compare(sampler, logits, reqs, args.repeats)
             rows.append(dict(setting=name, batch=b, pytorch_ms=t_py, native_ms=t_native))
             print(f"| {name} | {b} | {t_py:.2f} | {t_native:.2f} | {t_py / t_native:.1f}x |")
-    save_results("sampling", {"machine": machine(), "vocab": args.vocab, "rows": rows})
+    return rows
+
+
+def steps(args, batch: int = 64) -> list[dict]:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(batch, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    rows = []
+    print(f"| setting, batch {batch} | sampler step ms |\n|---|---|")
+    for name, kw in STEPS.items():
+        reqs = []
+        for i in range(batch):
+            r = Request(f"r{i}", list(range(i, i + 128)), SamplingParams(**kw), max_tokens=400)
+            r.token_ids += list(range(1000 + i, 1200 + i))  # its output so far
+            reqs.append(r)
+        times = []
+        for _ in range(args.repeats):
+            x = logits.clone()  # the step may change its logits in place
+            t = time.perf_counter()
+            sampler(x, reqs, [0] * batch)
+            times.append(time.perf_counter() - t)
+        ms = statistics.median(times) * 1000
+        rows.append(dict(setting=name, batch=batch, step_ms=ms))
+        print(f"| {name} | {ms:.2f} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--only", choices=["draws", "steps"])
+    args = ap.parse_args()
+    results = {"machine": machine(), "vocab": args.vocab}
+    if args.only in (None, "draws"):
+        results["draws"] = draws(args)
+    if args.only in (None, "steps"):
+        results["steps"] = steps(args)
+    save_results("sampling", results)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,11 @@ def test_batched_adjustments_match_the_reference_row_by_row():
         reqs += [req] * 4
         offsets += [0, 1, 2, 3]
     logits = torch.randn(len(reqs), VOCAB, generator=g) * 3
+    copy = logits.clone()
     got = apply_penalties(logits, reqs, offsets)
+    assert torch.equal(logits, copy)  # a copy changed; in place only when asked
+    assert torch.equal(apply_penalties(copy, reqs, offsets, inplace=True), got)
+    assert torch.equal(copy, got)
     for row, (r, j) in enumerate(zip(reqs, offsets)):
         prompt = r.token_ids[: r.num_prompt_tokens]
         want = reference(logits[row], prompt, r.output_token_ids + r.spec.guesses[:j], r.params)

@@ -112,19 +112,17 @@ class Sampler:
         position offsets[i] of its request's verification window, where it scores the guess
         spec.guesses[offsets[i]] (the last row has no guess: the bonus token)."""
         raw = logits
+        logprobs = any(r.params.logprobs is not None for r in reqs)
         logits = self._mask_early_stops(logits, reqs)
         logits = self._mask_grammar(logits, reqs, offsets, raw)
-        logits = apply_penalties(logits, reqs, offsets)
+        logits = apply_penalties(logits, reqs, offsets, inplace=logits is not raw or not logprobs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = greedy_tokens(logits)
         else:
             tokens = self._sample(logits, reqs, greedy, offsets)
         token_list = tokens.tolist()
-        logprobs = None
-        if any(r.params.logprobs is not None for r in reqs):
-            logprobs = self._logprobs(raw, token_list, reqs)
-        return SampleResult(token_list, logprobs)
+        return SampleResult(token_list, self._logprobs(raw, token_list, reqs) if logprobs else None)
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows = [
@@ -242,16 +240,17 @@ class Sampler:
     def _logprobs(
         self, logits: torch.Tensor, tokens: list[int], reqs: list[Request]
     ) -> list[dict | None]:
-        lp = logits.log_softmax(dim=-1)
-        out: list[dict | None] = []
-        for i, r in enumerate(reqs):
-            n = r.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            entry = {"token": lp[i, tokens[i]].item(), "top": []}
-            if n > 0:
-                vals, ids = lp[i].topk(n)
-                entry["top"] = list(zip(ids.tolist(), vals.tolist()))
-            out.append(entry)
+        """Per row {"token": its token's logprob, "top": [(id, logprob), ...]}, or None for
+        rows that did not ask; one log-softmax and one top-k for all rows that did."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        lp = (logits if len(rows) == len(reqs) else logits[rows]).log_softmax(dim=-1)
+        chosen = torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1)
+        token_lp = lp.gather(1, chosen).view(-1).tolist()
+        most = max(reqs[i].params.logprobs for i in rows)
+        vals, ids = lp.topk(most) if most > 0 else (lp[:, :0], lp[:, :0].long())
+        vals, ids = vals.tolist(), ids.tolist()
+        out: list[dict | None] = [None] * len(reqs)
+        for k, i in enumerate(rows):
+            n = reqs[i].params.logprobs
+            out[i] = {"token": token_lp[k], "top": list(zip(ids[k][:n], vals[k][:n]))}
         return out
