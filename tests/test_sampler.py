@@ -84,10 +84,23 @@ def midpoints(probs: torch.Tensor, least: float) -> tuple[torch.Tensor, torch.Te
     return tokens, u
 
 
+def native_draws(kernels, path: str, logits: torch.Tensor, case: dict, u: torch.Tensor):
+    """Tokens drawn at each u from one row, in one call (`fused`) or from the filtered
+    weights (`filter+draw`)."""
+    n, vocab = len(u), logits.shape[-1]
+    if path == "fused":
+        return kernels.sample_rows(logits.expand(n, vocab).contiguous(), *settings([case] * n), u)
+    weights = kernels.filter_rows(logits[None], *settings([case]))
+    want = filtered_probs(logits[None], *settings([case]))
+    torch.testing.assert_close(weights / weights.sum(-1, keepdim=True), want, atol=1e-6, rtol=1e-4)
+    return kernels.draw_rows(weights.expand(n, vocab).contiguous(), u)
+
+
+@pytest.mark.parametrize("path", ["fused", "filter+draw"])
 @pytest.mark.parametrize("vocab", [37, 5000, 49152])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_native_draws_follow_the_distribution(vocab, case):
-    """Each token of probability >= 1e-4 is drawn at the middle of its interval; 2,000 draws
+def test_native_draws_follow_the_distribution(vocab, case, path):
+    """Each token of probability >= 1e-4 is drawn at the middle of its interval; 1,000 draws
     at random u land only on tokens the distribution has."""
     kernels = native()
     for seed in range(2):
@@ -95,9 +108,8 @@ def test_native_draws_follow_the_distribution(vocab, case):
         want = filtered_probs(logits[None], *settings([case]))[0].double()
         want /= want.sum()
         tokens, u = midpoints(want, 1e-4)
-        u = torch.cat([u, torch.rand(2000, dtype=F64)])
-        batch = logits.expand(len(u), vocab).contiguous()
-        got = kernels.sample_rows(batch, *settings([case] * len(u)), u)
+        u = torch.cat([u, torch.rand(1000, dtype=F64)])
+        got = native_draws(kernels, path, logits, case, u)
         assert got[: len(tokens)].tolist() == tokens.tolist()
         assert bool((want[got] > 0).all())
 
@@ -125,6 +137,9 @@ def test_native_rows_without_a_finite_maximum_take_the_argmax():
     u = torch.tensor([0.5, 0.5, 0.5], dtype=F64)
     got = kernels.sample_rows(rows, *settings([{}] * 3), u)
     assert got.tolist() == rows.argmax(-1).tolist()
+    weights = kernels.filter_rows(rows, *settings([{}] * 3))
+    assert torch.equal(weights, torch.nn.functional.one_hot(got, 16).float())
+    assert kernels.draw_rows(torch.zeros(1, 8), u[:1]).tolist() == [0]  # no weight: the first
 
 
 def test_native_refuses_settings_out_of_range():

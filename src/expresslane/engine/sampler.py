@@ -44,6 +44,25 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+def draw_tokens(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf`, by the native kernel on CPU (float64 block sums, no cumsum tensor)."""
+    native = _native_sampler(weights)
+    return inverse_cdf(weights, u) if native is None else native.draw_rows(weights, u)
+
+
+def residual(p: torch.Tensor, d: int, q: torch.Tensor | None) -> torch.Tensor:
+    """max(0, p - q) after guess d was rejected (q None: one-hot(d)), or p where that leaves
+    nothing (p == q); changes p (a verified row is not read again)."""
+    if q is not None:
+        rest = (p - q).clamp_(min=0.0)
+        return rest if float(rest.sum()) > 0.0 else p
+    p_d = float(p[d])
+    p[d] = 0.0
+    if float(p.sum()) <= 0.0:
+        p[d] = p_d
+    return p
+
+
 def filtered_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -149,8 +168,12 @@ class Sampler:
         return self.masks.apply(logits, reqs, offsets)
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """The distribution each row samples from (`filtered_probs`)."""
-        return filtered_probs(logits, *self.settings(reqs))
+        """The distribution each row samples from (`filtered_probs`; on CPU the native
+        kernel's, without a sort)."""
+        native = _native_sampler(logits)
+        if native is None:
+            return filtered_probs(logits, *self.settings(reqs))
+        return native.filter_rows(logits, *self.settings(reqs))
 
     def settings(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
         """The rows' temperature, top_k, top_p and min_p (float64, int64, float64, float64)."""
@@ -167,7 +190,7 @@ class Sampler:
     def draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row from `probs`, with each request's generator."""
         u = torch.cat([self.uniform(r) for r in reqs]) if reqs else probs.new_empty(0)
-        return inverse_cdf(probs, u)
+        return draw_tokens(probs, u)
 
     def uniform(self, req: Request) -> torch.Tensor:
         """One float64 draw in [0, 1) from the request's generator, shape [1]."""
@@ -199,7 +222,7 @@ class Sampler:
                 drawn[part] = native.sample_rows(x, *self.settings(part_reqs), u[part])
                 continue
             probs = self.probs(x, part_reqs)
-            d = inverse_cdf(probs, u[part])
+            d = draw_tokens(probs, u[part])
             if verify:
                 d = self._verify(probs, d, part_reqs, [offsets[i] for i in rows])
             drawn[part] = d
@@ -215,10 +238,12 @@ class Sampler:
         """Speculative rejection sampling (Leviathan et al. 2023): a guess d drawn from the
         proposer's q is kept with probability min(1, p(d)/q(d)); otherwise the row's token is
         drawn from max(0, p - q), renormalized. Either way the token follows p exactly. A
-        proposer without probabilities (n-gram lookup) has q = one-hot(d)."""
+        proposer without probabilities (n-gram lookup) has q = one-hot(d). A request's rows
+        after its first rejected guess are not looked at (the engine keeps none of them)."""
+        rejected: set[int] = set()
         for i, (r, j) in enumerate(zip(reqs, offsets, strict=True)):
-            if j >= len(r.spec.guesses):
-                continue  # the bonus row: a plain draw
+            if j >= len(r.spec.guesses) or id(r) in rejected:
+                continue  # the bonus row (a plain draw), or past a rejection
             d = r.spec.guesses[j]
             q = r.spec.guess_probs[j] if r.spec.guess_probs is not None else None
             q_d = 1.0 if q is None else float(q[d])
@@ -227,14 +252,8 @@ class Sampler:
             if u * q_d < float(probs[i, d]):
                 drawn[i] = d
                 continue
-            if q is None:
-                residual = probs[i].clone()
-                residual[d] = 0.0
-            else:
-                residual = (probs[i] - q).clamp_(min=0.0)
-            if float(residual.sum()) <= 0.0:  # p == q: nothing left to correct
-                residual = probs[i]
-            drawn[i] = inverse_cdf(residual.unsqueeze(0), self.uniform(r))[0]
+            rejected.add(id(r))
+            drawn[i] = draw_tokens(residual(probs[i], d, q).unsqueeze(0), self.uniform(r))[0]
         return drawn
 
     def _logprobs(

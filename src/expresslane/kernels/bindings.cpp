@@ -43,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy", &LayerStack::greedy, NoGil());
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place", NoGil());
   m.def("sample_rows", &sample_rows, "one token per row: temperature, min_p, top_k, top_p, inverse transform", NoGil());
+  m.def("filter_rows", &filter_rows, "the distribution sample_rows draws from: temperature, min_p, top_k, top_p", NoGil());
+  m.def("draw_rows", &draw_rows, "one token per row of weights by inverse transform", NoGil());
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)", NoGil());
   m.def("half_linear", &half_linear, "x (fp32) @ W^T (bf16 or fp16) + b, for small batches (AVX2+FMA+F16C or AVX-512)", NoGil());
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");

@@ -38,6 +38,13 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u);
 
+// sample_cpu.cpp: the distribution sample_rows draws from, float32 [B, V], each row summing to 1.
+torch::Tensor filter_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p);
+
+// sample_cpu.cpp: one token per row of weights (float32 [B, V], >= 0) by inverse transform at u.
+torch::Tensor draw_rows(torch::Tensor weights, torch::Tensor u);
+
 // layer_stack_cpu.cpp: each row's index of its first maximum, as torch.argmax.
 torch::Tensor argmax_rows(torch::Tensor x);
 

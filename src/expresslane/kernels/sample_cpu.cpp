@@ -167,48 +167,112 @@ int64_t draw(const float* w, int64_t V, double u, std::vector<double>& sums) {
   return -1;
 }
 
-int64_t sample_row(const float* l, int64_t V, double temperature, int64_t top_k, double top_p, double min_p,
-                   double u, Scratch& s) {
-  float* w = s.w.data();
-  if (!weights(l, V, temperature, min_p, w)) return expresslane::ops::argmax(l, V);
-  if (top_k > 0 && top_k < V) keep_within<false>(w, V, static_cast<double>(top_k), s.candidates);
-  if (top_p < 1.0) {
+// The rows' settings, checked: temperature > 0, top_p in (0, 1], min_p in [0, 1].
+struct Settings {
+  const double *temperature, *top_p, *min_p;
+  const int64_t* top_k;
+  torch::Tensor held[4];
+
+  Settings(int64_t B, torch::Tensor temperature_, torch::Tensor top_k_, torch::Tensor top_p_, torch::Tensor min_p_) {
+    for (const auto* t : {&temperature_, &top_p_, &min_p_})
+      TORCH_CHECK(t->dtype() == torch::kFloat64 && t->numel() == B, "temperature, top_p, min_p: float64 [B]");
+    TORCH_CHECK(top_k_.dtype() == torch::kInt64 && top_k_.numel() == B, "top_k: int64 [B]");
+    held[0] = temperature_.contiguous(), held[1] = top_p_.contiguous(), held[2] = min_p_.contiguous();
+    held[3] = top_k_.contiguous();
+    temperature = held[0].data_ptr<double>(), top_p = held[1].data_ptr<double>(), min_p = held[2].data_ptr<double>();
+    top_k = held[3].data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(temperature[b] > 0 && top_p[b] > 0 && top_p[b] <= 1 && min_p[b] >= 0 && min_p[b] <= 1,
+                  "temperature > 0, top_p in (0, 1], min_p in [0, 1]");
+  }
+};
+
+// Row b's weights into w (the top of this file); a row without a finite maximum gets weight
+// on its argmax alone.
+void filter_row(const float* l, int64_t V, const Settings& st, int64_t b, float* w, Scratch& s) {
+  if (!weights(l, V, st.temperature[b], st.min_p[b], w)) {
+    std::fill(w, w + V, 0.0f);
+    w[expresslane::ops::argmax(l, V)] = 1.0f;
+    return;
+  }
+  if (st.top_k[b] > 0 && st.top_k[b] < V) keep_within<false>(w, V, static_cast<double>(st.top_k[b]), s.candidates);
+  if (st.top_p[b] < 1.0) {
     double mass = 0;
     for (int64_t i = 0; i < V; i += kBlock) mass += block_sum(w + i, std::min(kBlock, V - i));
-    keep_within<true>(w, V, top_p * mass, s.candidates);
+    keep_within<true>(w, V, st.top_p[b] * mass, s.candidates);
   }
-  const int64_t token = draw(w, V, u, s.block_sums);
-  return token >= 0 ? token : expresslane::ops::argmax(l, V);
+}
+
+const double* uniforms(torch::Tensor& u, int64_t B) {
+  TORCH_CHECK(u.dtype() == torch::kFloat64 && u.numel() == B, "u: float64 [B]");
+  u = u.contiguous();
+  const double* up = u.data_ptr<double>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(up[b] >= 0 && up[b] < 1, "u in [0, 1)");
+  return up;
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1, name, ": float32 [B, V], rows contiguous");
+}
+
+// f(b, scratch) for rows b in [0, B), split across threads; each thread keeps its buffers.
+template <typename F>
+void each_row(int64_t B, int64_t V, const F& f) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    thread_local Scratch s;  // the engine's threads sample every step
+    s.w.resize(V);
+    for (int64_t b = b0; b < b1; ++b) f(b, s);
+  });
 }
 
 }  // namespace
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u) {
-  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2 && logits.stride(1) == 1,
-              "logits: float32 [B, V], rows contiguous");
+  check_rows(logits, "logits");
   const int64_t B = logits.size(0), V = logits.size(1);
-  for (const auto* t : {&temperature, &top_p, &min_p, &u})
-    TORCH_CHECK(t->dtype() == torch::kFloat64 && t->numel() == B, "temperature, top_p, min_p, u: float64 [B]");
-  TORCH_CHECK(top_k.dtype() == torch::kInt64 && top_k.numel() == B, "top_k: int64 [B]");
-  auto params = [](torch::Tensor& t) {
-    t = t.contiguous();
-    return t.data_ptr<double>();
-  };
-  const double *temp = params(temperature), *p = params(top_p), *mp = params(min_p), *up = params(u);
-  top_k = top_k.contiguous();
-  const int64_t* k = top_k.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(temp[b] > 0 && p[b] > 0 && p[b] <= 1 && mp[b] >= 0 && mp[b] <= 1 && up[b] >= 0 && up[b] < 1,
-                "temperature > 0, top_p in (0, 1], min_p in [0, 1], u in [0, 1)");
+  const Settings st(B, temperature, top_k, top_p, min_p);
+  const double* up = uniforms(u, B);
   auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
   int64_t* tokens = out.data_ptr<int64_t>();
   const float* lp = logits.data_ptr<float>();
-  const int64_t stride = logits.stride(0);
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    thread_local Scratch s;  // the engine's threads sample every step: keep their buffers
-    s.w.resize(V);
-    for (int64_t b = b0; b < b1; ++b) tokens[b] = sample_row(lp + b * stride, V, temp[b], k[b], p[b], mp[b], up[b], s);
+  each_row(B, V, [&](int64_t b, Scratch& s) {
+    const float* l = lp + b * logits.stride(0);
+    filter_row(l, V, st, b, s.w.data(), s);
+    const int64_t token = draw(s.w.data(), V, up[b], s.block_sums);
+    tokens[b] = token >= 0 ? token : expresslane::ops::argmax(l, V);
+  });
+  return out;
+}
+
+torch::Tensor filter_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p) {
+  check_rows(logits, "logits");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  const Settings st(B, temperature, top_k, top_p, min_p);
+  auto out = torch::empty({B, V}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  each_row(B, V, [&](int64_t b, Scratch& s) {
+    float* w = out.data_ptr<float>() + b * V;
+    filter_row(lp + b * logits.stride(0), V, st, b, w, s);
+    double total = 0;
+    for (int64_t i = 0; i < V; i += kBlock) total += block_sum(w + i, std::min(kBlock, V - i));
+    const float scale = static_cast<float>(1.0 / total);  // total >= 1: the most likely token's weight
+    for (int64_t i = 0; i < V; ++i) w[i] *= scale;
+  });
+  return out;
+}
+
+torch::Tensor draw_rows(torch::Tensor weights, torch::Tensor u) {
+  check_rows(weights, "weights");
+  const int64_t B = weights.size(0), V = weights.size(1);
+  const double* up = uniforms(u, B);
+  auto out = torch::empty({B}, weights.options().dtype(torch::kInt64));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  each_row(B, V, [&](int64_t b, Scratch& s) {
+    const float* w = weights.data_ptr<float>() + b * weights.stride(0);
+    const int64_t token = draw(w, V, up[b], s.block_sums);
+    tokens[b] = token >= 0 ? token : expresslane::ops::argmax(w, V);
   });
   return out;
 }
