@@ -100,14 +100,9 @@ void gemv512(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
     expresslane::for_row_blocks<4>(M, [&](int64_t m0, int64_t mb) {
       const float* xp = x + m0 * K;
       float* yp = y + m0 * N;
-      for (int64_t n = n0; n < n1; ++n) {
-        switch (mb) {
-          case 1: row_kernel512<1>(xp, w + n * K, yp, K, N, n, bias); break;
-          case 2: row_kernel512<2>(xp, w + n * K, yp, K, N, n, bias); break;
-          case 3: row_kernel512<3>(xp, w + n * K, yp, K, N, n, bias); break;
-          default: row_kernel512<4>(xp, w + n * K, yp, K, N, n, bias); break;
-        }
-      }
+      expresslane::with_rows<4>(mb, [&](auto rows) {
+        for (int64_t n = n0; n < n1; ++n) row_kernel512<decltype(rows)::value>(xp, w + n * K, yp, K, N, n, bias);
+      });
     });
   });
 }
@@ -134,16 +129,7 @@ void half_gemv(const float* x, const W* wp, float* y, int64_t M, int64_t K, int6
   expresslane::for_row_blocks<8>(M, [&](int64_t m0, int64_t mb) {
     const float* xp = x + m0 * K;
     float* yp = y + m0 * N;
-    switch (mb) {
-      case 1: gemv<1>(xp, wp, yp, K, N, b); break;
-      case 2: gemv<2>(xp, wp, yp, K, N, b); break;
-      case 3: gemv<3>(xp, wp, yp, K, N, b); break;
-      case 4: gemv<4>(xp, wp, yp, K, N, b); break;
-      case 5: gemv<5>(xp, wp, yp, K, N, b); break;
-      case 6: gemv<6>(xp, wp, yp, K, N, b); break;
-      case 7: gemv<7>(xp, wp, yp, K, N, b); break;
-      default: gemv<8>(xp, wp, yp, K, N, b); break;
-    }
+    expresslane::with_rows<8>(mb, [&](auto rows) { gemv<decltype(rows)::value>(xp, wp, yp, K, N, b); });
   });
 }
 
