@@ -86,7 +86,8 @@ def _penalize(
 
     def per_key(name: str, at: torch.Tensor) -> torch.Tensor:
         values = torch.zeros(logits.shape[0], dtype=logits.dtype, device=dev)
-        values[rows] = torch.tensor([getattr(r.params, name) for r in reqs], dtype=logits.dtype)
+        settings = [getattr(r.params, name) for r in reqs]
+        values[rows] = torch.tensor(settings, dtype=logits.dtype, device=dev)
         return values[at // vocab]
 
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
