@@ -140,6 +140,12 @@ double block_sum(const float* w, int64_t n) {
   return total;
 }
 
+double total_weight(const float* w, int64_t V) {
+  double total = 0;
+  for (int64_t i = 0; i < V; i += kBlock) total += block_sum(w + i, std::min(kBlock, V - i));
+  return total;
+}
+
 // The token whose interval of the cumulative weight holds u times the total; -1 if none has weight.
 int64_t draw(const float* w, int64_t V, double u, std::vector<double>& sums) {
   const int64_t blocks = (V + kBlock - 1) / kBlock;
@@ -196,11 +202,7 @@ void filter_row(const float* l, int64_t V, const Settings& st, int64_t b, float*
     return;
   }
   if (st.top_k[b] > 0 && st.top_k[b] < V) keep_within<false>(w, V, static_cast<double>(st.top_k[b]), s.candidates);
-  if (st.top_p[b] < 1.0) {
-    double mass = 0;
-    for (int64_t i = 0; i < V; i += kBlock) mass += block_sum(w + i, std::min(kBlock, V - i));
-    keep_within<true>(w, V, st.top_p[b] * mass, s.candidates);
-  }
+  if (st.top_p[b] < 1.0) keep_within<true>(w, V, st.top_p[b] * total_weight(w, V), s.candidates);
 }
 
 const double* uniforms(torch::Tensor& u, int64_t B) {
@@ -255,9 +257,8 @@ torch::Tensor filter_rows(torch::Tensor logits, torch::Tensor temperature, torch
   each_row(B, V, [&](int64_t b, Scratch& s) {
     float* w = out.data_ptr<float>() + b * V;
     filter_row(lp + b * logits.stride(0), V, st, b, w, s);
-    double total = 0;
-    for (int64_t i = 0; i < V; i += kBlock) total += block_sum(w + i, std::min(kBlock, V - i));
-    const float scale = static_cast<float>(1.0 / total);  // total >= 1: the most likely token's weight
+    // the total is at least 1: the most likely token's weight
+    const float scale = static_cast<float>(1.0 / total_weight(w, V));
     for (int64_t i = 0; i < V; ++i) w[i] *= scale;
   });
   return out;
