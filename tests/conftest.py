@@ -141,3 +141,28 @@ def engine(llama_dir):
     )
     yield eng
     eng.shutdown()
+
+
+def _real(fetch):
+    from tests.real_model import Unavailable
+
+    try:
+        return fetch()
+    except Unavailable as e:
+        pytest.skip(f"the real model cannot be fetched here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, as it ships (tests/real_model.py)."""
+    from tests.real_model import smollm2_gguf
+
+    return _real(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf) -> Path:
+    """The same model saved by transformers 5 in Hugging Face format, unchanged."""
+    from tests.real_model import smollm2_hf
+
+    return _real(smollm2_hf)

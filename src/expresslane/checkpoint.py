@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint's tensor files: which there are (one file or the shards its
-index lists) and reading them. Shared by the model loader, `expresslane quantize` and the
-draft model, so neither `models/` nor `quant/` imports the other for it."""
+index lists, or the GGUF file a `model_source` view links to) and reading them. Shared by the
+model loader, `expresslane quantize` and the draft model, so neither `models/` nor `quant/`
+imports the other for it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _missing_note(missing: list[str]) -> str:
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    gguf = Path(model_dir) / "model.gguf"
+    if gguf.exists() and not any(Path(model_dir).glob("*.safetensors")):
+        from expresslane.models.gguf_file import GgufFile
+
+        return GgufFile(gguf).tensors()
     tensors: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:

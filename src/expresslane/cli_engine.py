@@ -26,9 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         type=model_dir,
-        metavar="DIR",
+        metavar="MODEL",
         default=None,
-        help="Hugging Face-format model directory (default: the bundled demo model)",
+        help="a Hugging Face-format model directory, a .gguf file or a Hub name ORG/NAME "
+        "(default: the bundled demo model)",
     )
     p.add_argument(
         "--device",

@@ -67,16 +67,11 @@ def port(text: str) -> int:
     return value
 
 
-def model_dir_problem(path: str) -> str | None:
-    """Why `path` cannot be a Hugging Face-format model directory, or None."""
-    p = Path(path)
-    if not p.exists():
-        return f"{path} does not exist"
-    if not p.is_dir():
-        return f"{path} is not a directory"
-    if not (p / "config.json").is_file():
-        return f"{path} is not a Hugging Face model directory (it has no config.json)"
-    return None
+def model_dir_problem(spec: str) -> str | None:
+    """Why `spec` (a model directory, a .gguf file or a Hub name) cannot be served, or None."""
+    from expresslane.model_source import model_problem
+
+    return model_problem(spec)
 
 
 def model_dir(text: str) -> str:

@@ -59,8 +59,9 @@ class EngineConfig:
     @property
     def model_dir(self) -> Path:
         from expresslane.demo import demo_model_dir
+        from expresslane.model_source import resolve_model
 
-        return Path(self.model) if self.model else demo_model_dir()
+        return resolve_model(self.model) if self.model else demo_model_dir()
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -32,6 +32,41 @@ def _tojson(value, indent=None, separators=None, sort_keys=False):
     )
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _named_templates(template: str | list | dict | None) -> dict[str, str]:
+    """{name: source}: a single template is "default"; a list of {"name", "template"} (or a
+    dict) names each, and the first stands in for a missing "default"."""
+    if not template:
+        return {}
+    if isinstance(template, str):
+        return {"default": template}
+    named = template if isinstance(template, dict) else {t["name"]: t["template"] for t in template}
+    return {"default": next(iter(named.values())), **named}
+
+
+def chat_template_files(path: Path) -> str | dict | None:
+    """The chat template(s) in the files beside the tokenizer, or None."""
+    jinja = path / "chat_template.jinja"
+    extra = path / "additional_chat_templates"
+    named = {f.stem: f.read_text() for f in sorted(extra.glob("*.jinja"))} if extra.is_dir() else {}
+    if jinja.is_file():
+        return {"default": jinja.read_text(), **named} if named else jinja.read_text()
+    js = path / "chat_template.json"
+    if js.is_file():
+        template = json.loads(js.read_text()).get("chat_template")
+        return {**_named_templates(template), **named} if named else template
+    return named or None
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict):
         self._tok = tokenizer
@@ -39,29 +74,25 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: prefer "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default") or next(iter(named.values()))
-        self.chat_template_source = template
-        self._template = None
-        if template:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(template)
+        sources = _named_templates(config.get("chat_template"))
+        self._templates = {name: _environment().from_string(t) for name, t in sources.items()}
+        # the template tools are rendered with: "tool_use" where the model has one
+        self.chat_template_source = sources.get("tool_use", sources.get("default"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
+        """`tokenizer.json`, `tokenizer_config.json`, and the chat template from
+        `chat_template.jinja` (and `additional_chat_templates/*.jinja`, named) or
+        `chat_template.json` where present, as transformers saves them; else the config's."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
             raise ModelLoadError(f"{path} has no tokenizer.json")
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = chat_template_files(path)
+        if template:
+            config["chat_template"] = template
         return cls(HFTokenizer.from_file(str(file)), config)
 
     @property
@@ -91,14 +122,17 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **kwargs,
     ) -> str:
-        if self._template is None:
+        template = self._templates.get("tool_use") if tools else None
+        template = template or self._templates.get("default")
+        if template is None:
             raise InvalidRequestError(
-                "this model has no chat template (tokenizer_config.json has no chat_template); "
-                "use the completions endpoint with a plain prompt",
+                "this model has no chat template (no chat_template.jinja, chat_template.json "
+                "or chat_template in tokenizer_config.json); use the completions endpoint "
+                "with a plain prompt",
                 param="messages",
             )
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

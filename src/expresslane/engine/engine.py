@@ -25,6 +25,7 @@ from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
+from expresslane.model_source import resolve_model
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import store_name
@@ -125,7 +126,7 @@ class LLMEngine:
         )
 
     def _load_draft(self, model: str | None) -> DraftModelProposer:
-        path = Path(model) if model else demo_model_dir(DRAFT_DIR)
+        path = resolve_model(model) if model else demo_model_dir(DRAFT_DIR)
         if path not in self._drafts:
             dtype, linear_dtype = model_dtypes(
                 self.config, ModelConfig.from_dir(path).torch_dtype, self.device

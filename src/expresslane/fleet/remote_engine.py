@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from expresslane.engine.output import RequestOutput, merge_outputs
 from expresslane.engine.request import Request
@@ -27,6 +26,7 @@ from expresslane.errors import ExpresslaneError
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.router import prefix_hashes
 from expresslane.lanes import LANE_NAMES, build_lanes
+from expresslane.model_source import resolve_model
 from expresslane.models.config import ModelConfig
 from expresslane.server.errors import APIError
 
@@ -172,7 +172,7 @@ class FleetEngine:
         self.spec = spec
         self.handles = handles  # pool name -> Ray Serve DeploymentHandle
         self.block_size = block_size
-        model_dir = Path(model_dir)
+        model_dir = resolve_model(str(model_dir))
         mcfg = ModelConfig.from_dir(model_dir)
         self._lanes = build_lanes(_ingress_lanes(spec))
         max_len = min(

