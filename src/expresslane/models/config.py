@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from expresslane.errors import ModelLoadError
+from expresslane.models.rope import parse_rope_scaling
+from expresslane.models.rope import rope_inv_freq as rope_inv_freq  # where it was defined before
 
 # Architectures that share the Llama block; they differ only in the flags below.
 SUPPORTED_ARCHITECTURES = (
@@ -68,6 +67,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         use_sliding = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        max_position_embeddings = raw.get("max_position_embeddings", 2048)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -79,11 +79,11 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
-            rope_scaling=_rope_scaling(raw),
+            rope_scaling=parse_rope_scaling(raw, max_position_embeddings),
             sliding_window=raw.get("sliding_window") if use_sliding else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -94,36 +94,3 @@ class ModelConfig:
 def _rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or {}
     return float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(raw: dict) -> dict | None:
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("llama3", "linear"):
-        raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: llama3, linear")
-    return dict(scaling, rope_type=kind)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies (float32, computed as transformers does), scaling applied."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv
-    if scaling["rope_type"] == "linear":
-        return inv / scaling["factor"]
-    factor = scaling["factor"]
-    low_ff = scaling.get("low_freq_factor", 1.0)
-    high_ff = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_len / low_ff, inv / factor, inv)
-    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high_ff) & (wavelen <= old_len / low_ff)
-    return torch.where(medium, smoothed, scaled)

@@ -104,17 +104,25 @@ class Rotary(nn.Module):
     """Precomputed cos/sin tables in Hugging Face's half-split layout.
 
     `rotate_half(x) * sin` equals `roll(x, D/2) * sin_signed` with sin_signed = [-sin, sin],
-    which makes RoPE three tensor ops instead of six."""
+    which makes RoPE three tensor ops instead of six. `attention_factor` (YaRN's and LongRoPE's
+    mscale, see models/rope.py) multiplies both tables, as transformers does."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        dtype: torch.dtype,
+        attention_factor: float = 1.0,
+    ):
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         half = inv_freq.numel()
-        sin = emb.sin()
+        cos = emb.cos() * attention_factor
+        sin = emb.sin() * attention_factor
         sin[:, :half].neg_()
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("sin_signed", sin.to(dtype), persistent=False)
         self.half = half
 

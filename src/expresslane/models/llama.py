@@ -16,9 +16,10 @@ from expresslane.kernels.constants import ScaleKind
 from expresslane.kernels.linear_choice import PromptLinears
 from expresslane.kernels.plan import STACK_PATHS, ExecutionPlan, LinearPath
 from expresslane.models.attention import AttentionMetadata, PagedAttention
-from expresslane.models.config import ModelConfig, rope_inv_freq
+from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.rope import rope_frequencies
 from expresslane.quant.linear import Fp4Linear
 
 
@@ -84,7 +85,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = make_linear(weights["lm_head"])
-        self.rotary = Rotary(rope_inv_freq(cfg), max_positions, dtype)
+        inv_freq, attention_factor = rope_frequencies(cfg, max_positions)
+        self.rotary = Rotary(inv_freq, max_positions, dtype, attention_factor)
         self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
         self.batch_invariant = False  # ask the plan for row-invariant kernels in every step
