@@ -50,12 +50,17 @@ def free_port() -> int:
 class Serve:
     """`expresslane serve` in a subprocess, on a store and an accounts file in `root`."""
 
-    def __init__(self, model: Path, root: Path, graceful_s: float = 30.0):
+    def __init__(
+        self, model: Path, root: Path, graceful_s: float = 30.0, database: str | None = None
+    ):
+        """`database`: a PostgreSQL URL for the store, keys and ledger (else SQLite files)."""
         self.store = root / "responses.sqlite"
         self.accounts = root / "accounts.sqlite"
         config = root / "expresslane.toml"
+        shared = f'database = "{database}"\n' if database else ""
         config.write_text(
             f'[server]\nstore_path = "{self.store}"\ngraceful_shutdown_seconds = {graceful_s}\n'
+            + shared
         )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

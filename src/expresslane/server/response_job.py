@@ -19,7 +19,7 @@ from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request as EngineRequest
 from expresslane.server.accounts import Ticket
 from expresslane.server.durability import ProgressClock, mark_interrupted
-from expresslane.server.errors import invalid
+from expresslane.server.errors import database_unavailable, invalid
 from expresslane.server.event_log import EventLog
 from expresslane.server.generation import Generation, make_params, prepare, start
 from expresslane.server.limits import off_loop, text_size
@@ -89,10 +89,18 @@ class ResponseJob:
             t.owner, t.key.id, t.tier_requested, t.tier, self.state.model_name, self.gen.request_id
         )
 
-    def start(self) -> asyncio.Task:
-        self.state.jobs[self.id] = self
+    async def start(self) -> asyncio.Task:
+        """A stored response is committed before it runs, so neither the create's answer nor
+        a stream's first event can hand out an id that a crash would lose."""
         if self.store:
-            self._save(self.response, [])
+            try:
+                batch = self.state.store.put(self.response, self.items, [], self.origin())
+                await self.state.store.committed(batch)
+            except Exception as e:
+                log.exception("could not store response %s", self.id)
+                self.gen.abort()
+                raise database_unavailable() from e
+        self.state.jobs[self.id] = self
         self.task = asyncio.get_running_loop().create_task(self.run())
         return self.task
 
@@ -119,8 +127,8 @@ class ResponseJob:
             log.exception("response %s failed", self.id)
             self.assembler.finish(final, "internal server error")
         finally:
+            await self._persist()  # the end is durable before the stream ends
             self.log.close()
-            self._persist()
             self._forget()
 
     def _finish(self, final: RequestOutput | None) -> None:
@@ -151,22 +159,25 @@ class ResponseJob:
     def _save_progress(self, out: RequestOutput) -> None:
         self._save({**self.response, "usage": usage(out)}, self._conversation([]))
 
-    def _save(self, response: dict, context: list[dict]) -> None:
+    def _save(self, response: dict, context: list[dict]) -> int | None:
         try:
-            self.state.store.put(response, self.items, context, self.origin())
+            return self.state.store.put(response, self.items, context, self.origin())
         except Exception:  # the client's answer matters more than its stored copy
             log.exception("could not store response %s", self.id)
+            return None
 
-    def _persist(self) -> None:
+    async def _persist(self) -> None:
         if not self.store:
             return
-        if self.response["status"] == "cancelled" and not self.background:
-            try:  # a stream its client left is not kept
-                self.state.store.delete(self.id)
-            except Exception:
-                log.exception("could not delete response %s", self.id)
-            return
-        self._save(self.response, self.full_context or [])
+        try:
+            if self.response["status"] == "cancelled" and not self.background:
+                batch = self.state.store.delete(self.id)  # a stream its client left
+            else:
+                batch = self._save(self.response, self.full_context or [])
+            if batch is not None:
+                await self.state.store.committed(batch)
+        except Exception:
+            log.exception("could not store the end of response %s", self.id)
 
     def _forget(self) -> None:
         if not self.background:

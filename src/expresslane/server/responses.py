@@ -36,7 +36,7 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     ticket = state.admit(request, body.service_tier)
     job = await prepare_response(state, body, received=received, ticket=ticket)
     snapshot = copy.deepcopy(job.response)
-    job.start()
+    await job.start()
     if body.background:
         if body.stream:
             return sse_response(_sse(job))  # the job outlives this connection
@@ -133,9 +133,11 @@ async def delete_response(response_id: str, request: Request):
         job.cancel()
         await job.wait()
         state.jobs.pop(response_id, None)
-    deleted = state.store.delete(response_id, _owner(request))
-    if not deleted and job is None:
+    batch = state.store.delete(response_id, _owner(request))
+    if batch is None and job is None:
         raise _not_found(response_id)
+    if batch is not None:
+        await state.store.committed(batch)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

@@ -125,9 +125,10 @@ class ResponseStore:
         input_items: list[dict],
         context: list[dict],
         origin: Origin | None = None,
-    ) -> None:
+    ) -> int:
         """Store the response as it is now (a snapshot: later changes to the dicts are not
-        seen); readable at once, committed shortly after."""
+        seen); readable at once, committed shortly after. Answers the write's batch:
+        `await committed(batch)` returns once it is durable."""
         now = time.time()
         row = (
             response["id"],
@@ -139,7 +140,7 @@ class ResponseStore:
             json.dumps(context),
             *astuple(origin or Origin()),
         )
-        self._writer.put(response["id"], row)
+        return self._writer.put(response["id"], row)
 
     def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
         """The stored response, or None if there is none, or if `owner` is given and it is
@@ -156,12 +157,16 @@ class ResponseStore:
             return None
         return stored
 
-    def delete(self, response_id: str, owner: str | None = None) -> bool:
-        """Delete the response; False if `get(response_id, owner)` would find none."""
+    def delete(self, response_id: str, owner: str | None = None) -> int | None:
+        """Delete the response; answers the write's batch (as `put`), or None if
+        `get(response_id, owner)` would find none."""
         if self.get(response_id, owner) is None:
-            return False
-        self._writer.put(response_id, None)
-        return True
+            return None
+        return self._writer.put(response_id, None)
+
+    async def committed(self, batch: int) -> None:
+        """Return once the write of `batch` (from `put` or `delete`) is committed."""
+        await self._writer.committed(batch)
 
     def unfinished(self, idle_seconds: float | None = None) -> list[StoredResponse]:
         """Responses left queued or in progress (after a crash, when the server starts) and

@@ -118,11 +118,11 @@ class Connection:
                 generate=req.generate is not False,
                 ticket=ticket,
             )
+            await job.start()
         except Exception as e:  # a bad or failing message must not cost the connection
             self._evict(data)
             await self.send_error(_as_api_error(e), extra)
             return
-        job.start()
         try:
             async for _, event in job.log.follow():
                 await self.ws.send_text(event)
