@@ -258,7 +258,8 @@ async def test_closed_loop_duration():
     clock = lambda: time.perf_counter() - start
     await closed_loop(fake, workload.sessions(), 2, Budget(None, 0.1), clock, done.append)
     assert all(r.scheduled < 0.1 for r in done)
-    assert 4 <= len(done) <= 22  # about 2 workers x 0.1 s / 10 ms, on a busy machine fewer
+    # each worker sends at least one; at most about 2 workers x 0.1 s / 10 ms (fewer when busy)
+    assert 2 <= len(done) <= 22
 
 
 # -- retries against a mocked endpoint -----------------------------------------------------

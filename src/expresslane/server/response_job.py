@@ -89,13 +89,16 @@ class ResponseJob:
             t.owner, t.key.id, t.tier_requested, t.tier, self.state.model_name, self.gen.request_id
         )
 
-    async def start(self) -> asyncio.Task:
-        """A stored response is committed before it runs, so neither the create's answer nor
-        a stream's first event can hand out an id that a crash would lose."""
+    async def start(self, announced: bool = True) -> asyncio.Task:
+        """`announced`: the client gets the id before the end (background, streams). Such a
+        stored response is committed before it runs, so neither the create's answer nor a
+        stream's first event can hand out an id that a crash would lose; for the others the
+        end's commit, awaited before the answer, is what makes the id durable."""
         if self.store:
             try:
                 batch = self.state.store.put(self.response, self.items, [], self.origin())
-                await self.state.store.committed(batch)
+                if announced:
+                    await self.state.store.committed(batch)
             except Exception as e:
                 log.exception("could not store response %s", self.id)
                 self.gen.abort()

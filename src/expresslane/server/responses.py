@@ -36,7 +36,7 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     ticket = state.admit(request, body.service_tier)
     job = await prepare_response(state, body, received=received, ticket=ticket)
     snapshot = copy.deepcopy(job.response)
-    await job.start()
+    await job.start(announced=bool(body.background or body.stream))
     if body.background:
         if body.stream:
             return sse_response(_sse(job))  # the job outlives this connection
