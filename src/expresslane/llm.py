@@ -61,9 +61,10 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[Output]:
+        """`params` default: SamplingParams with the model's generation config's settings."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.engine.factory.sampling_defaults)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         # validate everything before anything runs
         reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]

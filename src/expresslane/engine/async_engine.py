@@ -100,6 +100,10 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.engine.factory.sampling_defaults
+
     def grammar_literal(self, text: str) -> str:
         """`text` as a grammar literal for this model's tokenizer (engine/grammar.py)."""
         return self.engine.grammars.literal(text)

@@ -33,6 +33,10 @@ class ServingEngine(Protocol):
     def max_model_len(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+    @property
+    def sampling_defaults(self) -> dict:
+        """SamplingParams fields from the model's generation config, for requests that do not
+        set them (`request_factory.SAMPLING_DEFAULTS`)."""
 
     def make_request(self, *args, **kwargs) -> Request:
         """Validate and tokenize (raises InvalidRequestError), arguments of

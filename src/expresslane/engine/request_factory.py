@@ -23,12 +23,31 @@ from expresslane.tokenizer import Tokenizer
 _ids = itertools.count()
 
 
-def _generation_eos(model_dir: Path) -> list[int]:
+# generation_config.json's settings that become a request's defaults, as vLLM applies them
+# (`--generation-config auto`): a request's own value always wins.
+SAMPLING_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _generation_config(model_dir: Path) -> dict:
     path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _eos(generation: dict) -> list[int]:
+    eos = generation.get("eos_token_id")
     return eos if isinstance(eos, list) else ([] if eos is None else [eos])
+
+
+def sampling_defaults(generation: dict) -> dict:
+    """SamplingParams fields the model's generation config sets."""
+    return {ours: generation[k] for k, ours in SAMPLING_DEFAULTS.items() if k in generation}
 
 
 class RequestFactory:
@@ -44,7 +63,9 @@ class RequestFactory:
         tok_dir = tokenizer_dir or model_dir
         tok_json = tok_dir / "tokenizer.json"
         self.tokenizer = Tokenizer.from_dir(tok_dir) if tok_json.is_file() else None
-        eos = set(model_config.eos_token_ids) | set(_generation_eos(model_dir))
+        generation = _generation_config(model_dir)
+        self.sampling_defaults = sampling_defaults(generation)
+        eos = set(model_config.eos_token_ids) | set(_eos(generation))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)

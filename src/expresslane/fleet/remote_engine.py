@@ -193,6 +193,7 @@ class FleetEngine:
     lanes = property(lambda self: self._lanes)
     max_model_len = property(lambda self: self.factory.max_model_len)
     vocab_size = property(lambda self: self.factory.vocab_size)
+    sampling_defaults = property(lambda self: self.factory.sampling_defaults)
 
     def grammar_literal(self, text: str) -> str:
         return self.factory.grammars.literal(text)
