@@ -27,6 +27,16 @@ SMOLLM2_135M = dict(
 )
 
 
+def real_smollm2() -> Path:
+    """SmolLM2-135M-Instruct as transformers saves it (fetched once: tests/real_model.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.real_model import smollm2_hf
+
+    return smollm2_hf()
+
+
 def random_checkpoint(name: str, config: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Save (once) a random-weight LlamaForCausalLM with `config` in Hugging Face format."""
     from transformers import LlamaConfig, LlamaForCausalLM

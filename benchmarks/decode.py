@@ -8,7 +8,11 @@ and 16x512 prompt tokens (`--prefill`).
 
     python benchmarks/decode.py [--batches 1,16,32,64,128] [--prefill 1x2048,16x512]
                                 [--rounds 5] [--skip-hf] [--dtype auto] [--quantization nvfp4]
-                                [--temperature 0] [--top-p 1]
+                                [--temperature 0] [--top-p 1] [--model smollm2]
+
+`--model smollm2` runs the real SmolLM2-135M-Instruct (the directory transformers saves from its
+GGUF, bf16: tests/real_model.py) instead of random weights of its architecture; any other value
+is a model directory.
 
 Batch-1 decode is measured in `--rounds` rounds that alternate the engines (models loaded
 once), and the ratios are medians of per-round ratios: this machine's memory bandwidth drifts
@@ -28,7 +32,7 @@ import statistics
 import time
 
 import torch
-from common import SMOLLM2_135M, machine, random_checkpoint, save_results
+from common import SMOLLM2_135M, machine, random_checkpoint, real_smollm2, save_results
 
 PROMPT, NEW = 128, 64
 
@@ -36,6 +40,14 @@ PROMPT, NEW = 128, 64
 def prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch * 10007 + length)
     return torch.randint(1, SMOLLM2_135M["vocab_size"], (batch, length), generator=g).tolist()
+
+
+def model_path(name: str | None):
+    if name is None:
+        return random_checkpoint("smollm2-135m", SMOLLM2_135M)
+    if name == "smollm2":
+        return real_smollm2()
+    return name
 
 
 def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], args):
@@ -137,13 +149,14 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="expresslane's sampling")
     ap.add_argument("--top-p", type=float, default=1.0, help="expresslane's sampling")
     ap.add_argument("--quantization", default=None, help="expresslane's weights: nvfp4, mxfp4")
+    ap.add_argument("--model", default=None, help="smollm2 (the real model) or a directory")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prefill = [
         tuple(int(v) for v in shape.split("x")) for shape in args.prefill.split(",") if shape
     ]
-    path = random_checkpoint("smollm2-135m", SMOLLM2_135M)
-    results = {"machine": machine(), "prompt": PROMPT, "new_tokens": NEW}
+    path = model_path(args.model)
+    results = {"machine": machine(), "model": str(path), "prompt": PROMPT, "new_tokens": NEW}
     results["expresslane"], samplers = bench_expresslane(path, batches, prefill, args)
     samplers = {"expresslane": samplers}
     if not args.skip_hf:

@@ -16,7 +16,11 @@ speculation still pays here.
 Greedy outputs are checked token-identical across modes.
 
     python benchmarks/spec.py [--prompts 24] [--max-tokens 128] [--k 12] [--batch1-rounds 3]
-        [--batch-rounds 5] [--mid-batches 2,4,8]
+        [--batch-rounds 5] [--mid-batches 2,4,8] [--model smollm2]
+
+`--model smollm2`: the real SmolLM2-135M-Instruct (tests/real_model.py), with the same code
+given as chat requests (edit: "repeat this code, renamed"; complete: "complete this
+function"), plain against n-gram only (it has no draft model).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import machine, save_results
+from common import machine, real_smollm2, save_results
 
 # The repository root, for the `scripts` package: the workloads are the held-out functions
 # that scripts/eval_demo_model.py picks. Run as `python benchmarks/spec.py`, sys.path[0] is
@@ -39,12 +43,24 @@ from expresslane.spec.stats import SpecStats  # noqa: E402
 from scripts.eval_demo_model import spec_workloads as workloads  # noqa: E402
 
 
-def modes(k: int) -> dict[str, dict | None]:
+def modes(k: int, draft: bool = True) -> dict[str, dict | None]:
     # max_batch None: speculate at any batch, to measure what adaptivity alone does at 32.
+    out = {"plain": None, "ngram": {"method": "ngram", "num_tokens": k}}
+    return {**out, "draft": {"method": "draft", "num_tokens": k}} if draft else out
+
+
+def chat_workloads(loads: dict[str, list[str]], model) -> dict[str, list[str]]:
+    """The workloads as chat requests, rendered with the model's template."""
+    from expresslane.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    asks = {
+        "edit": "Repeat this Python code, with the function renamed as its last line shows:\n\n",
+        "complete": "Complete this Python function:\n\n",
+    }
     return {
-        "plain": None,
-        "ngram": {"method": "ngram", "num_tokens": k},
-        "draft": {"method": "draft", "num_tokens": k},
+        name: [tok.apply_chat_template([{"role": "user", "content": asks[name] + p}]) for p in ps]
+        for name, ps in loads.items()
     }
 
 
@@ -89,6 +105,7 @@ def main() -> None:
         "--batch1-rounds", type=int, default=3, help="passes over the prompts at batch 1"
     )
     ap.add_argument("--batch-rounds", type=int, default=5, help="interleaved runs per mode")
+    ap.add_argument("--model", default=None, help="smollm2: the real model (chat, no draft)")
     ap.add_argument(
         "--mid-batches",
         default="2,4,8",
@@ -99,10 +116,15 @@ def main() -> None:
     random.seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     loads = workloads(args.prompts)
-    results: dict = {"machine": machine(), "args": vars(args), "batch1": {}, "batch": {}}
+    args.path = real_smollm2() if args.model == "smollm2" else args.model
+    if args.path is not None:
+        loads = chat_workloads(loads, args.path)
+    results: dict = {"machine": machine(), "args": {**vars(args), "path": str(args.path)}}
+    results.update(batch1={}, batch={})
     for name, prompts in loads.items():
         llms = {
-            m: LLM(speculative=s, max_batch=1, max_model_len=2048) for m, s in modes(args.k).items()
+            m: LLM(args.path, speculative=s, max_batch=1, max_model_len=2048)
+            for m, s in modes(args.k, args.path is None).items()
         }
         for llm in llms.values():  # warm-up (kernels, allocator)
             llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0))
@@ -126,9 +148,9 @@ def main() -> None:
     # batch: the modes' engines loaded side by side and their runs interleaved, ratios per round
     prompts = (loads["complete"] * args.batch)[: args.batch]
     llms = {}
-    for m, s in modes(args.k).items():
+    for m, s in modes(args.k, args.path is None).items():
         spec = None if s is None else {**s, "max_batch": "auto"}
-        llms[m] = LLM(speculative=spec, max_batch=args.batch, max_model_len=2048)
+        llms[m] = LLM(args.path, speculative=spec, max_batch=args.batch, max_model_len=2048)
         llms[m].generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))
         llms[m].engine.spec_stats = SpecStats()
     runs: dict[str, list[float]] = {m: [] for m in llms}
@@ -158,7 +180,7 @@ def mid_batches(loads: dict, args, params: SamplingParams) -> dict:
         for b in sizes:
             spec = {"method": "ngram", "num_tokens": args.k, "max_batch": None}
             llms = {
-                m: LLM(speculative=s, max_batch=b, max_model_len=2048)
+                m: LLM(args.path, speculative=s, max_batch=b, max_model_len=2048)
                 for m, s in (("plain", None), ("ngram", spec))
             }
             for llm in llms.values():
