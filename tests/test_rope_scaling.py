@@ -238,3 +238,15 @@ def test_longrope_checkpoint_matches_transformers(tmp_path, prompt_len, max_posi
         original_max_position_embeddings=64,
     )
     prefill_logits_match(path, max_positions, prompt_len)
+
+
+def test_frequency_factors_are_llamacpps_form_of_llama3():
+    """A GGUF's `rope_freqs` divide the plain frequencies: llama.cpp writes llama3's that way."""
+    llama3 = {**LLAMA, "rope_scaling": CASES["llama3"][1]}
+    _, want, _ = ours(llama3)
+    _, plain, _ = ours(LLAMA)
+    factors = (plain / want).tolist()
+    _, got, attention = ours({**LLAMA, "rope_scaling": {"rope_type": "frequency_factors",
+                                                        "factors": factors}})  # fmt: skip
+    torch.testing.assert_close(got, want)
+    assert attention == 1.0

@@ -8,7 +8,9 @@ tokenizer and the request factory read:
   `checkpoint.read_checkpoint` reads in place (made once per file, by its path, size and
   modification time);
 - `ORG/NAME` that is no local path: a Hub repository, through `huggingface_hub` (its cache;
-  a download where the network allows; `HF_HUB_OFFLINE=1` reads the cache only), as vLLM does.
+  a download where the network allows; `HF_HUB_OFFLINE=1` reads the cache only), as vLLM does;
+  the snapshot then follows the rules above (a cached snapshot holding one GGUF file serves
+  it; GGUF files are not downloaded: a repository holds several, one per quantization).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def resolve_model(spec: str) -> Path:
             "and holds no .gguf file"
         )
     if _HUB_NAME.fullmatch(spec) and not spec.startswith(("./", "../")):
-        return hub_snapshot(spec)
+        return resolve_model(str(hub_snapshot(spec)))  # a GGUF-only snapshot: its file
     raise ModelLoadError(f"{spec} does not exist (a model directory, a .gguf file or ORG/NAME)")
 
 

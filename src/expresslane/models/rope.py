@@ -19,6 +19,8 @@ short sequences whatever the engine serves, but would rotate a query past the le
 before it by different frequencies, which RoPE's relative positions do not survive.
 
 `linear`, `llama3` and `yarn` do not depend on the length and equal transformers everywhere.
+`frequency_factors` is llama.cpp's form of scaling (a GGUF's `rope_freqs` tensor: each
+frequency divided by its factor, as Llama 3.1's GGUF files carry their llama3 scaling).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from expresslane.errors import ModelLoadError
 if TYPE_CHECKING:
     from expresslane.models.config import ModelConfig
 
-SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn", "dynamic", "longrope")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn", "dynamic", "longrope", "frequency_factors")
 _REQUIRED = {
+    "frequency_factors": ("factors",),
     "linear": ("factor",),
     "llama3": ("factor",),
     "dynamic": ("factor",),
@@ -92,6 +95,11 @@ def _plain_inv_freq(base: float, dim: int) -> torch.Tensor:
 
 def _linear(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
     return _plain_inv_freq(cfg.rope_theta, cfg.head_dim) / s["factor"], 1.0
+
+
+def _frequency_factors(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    factors = torch.tensor(s["factors"], dtype=torch.float32)
+    return _plain_inv_freq(cfg.rope_theta, cfg.head_dim) / factors, 1.0
 
 
 def _llama3(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -189,4 +197,5 @@ _SCALINGS = {
     "yarn": _yarn,
     "dynamic": _dynamic,
     "longrope": _longrope,
+    "frequency_factors": _frequency_factors,
 }
