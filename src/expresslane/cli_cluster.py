@@ -34,6 +34,12 @@ def add_cluster_command(sub) -> None:
         default=None,
         help="a local Ray cluster's logical CPUs (replicas may ask for fractions of them)",
     )
+    c.add_argument(
+        "--start-timeout",
+        type=positive_float,
+        default=600.0,
+        help="give up when the replicas are not all running after this many seconds (600)",
+    )
     c.add_argument("--json", action="store_true", help="status: print the JSON")
     c.set_defaults(func=cmd_cluster)
 
@@ -51,9 +57,15 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         spec = load_cluster(args.target)
     except (OSError, ClusterFileError) as e:
         return fail(PROG, str(e))
-    from expresslane.fleet.deploy import deploy
+    from expresslane.fleet.deploy import DeployError, launch
 
-    url = deploy(spec, args.num_cpus)
+    def say(line: str) -> None:
+        print(f"expresslane fleet: {line}", flush=True)
+
+    try:
+        url = launch(spec, args.num_cpus, args.start_timeout, say)
+    except DeployError as e:
+        return fail(PROG, str(e))
     print(f"expresslane fleet: ingress at {url} (pools: {', '.join(spec.pools)})", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -4,16 +4,24 @@
 Serve's HTTP proxy on the ingress address and runs the application `expresslane`; it returns
 the ingress URL. Running it again with a changed file updates the deployments in place (Ray
 Serve rolls the replicas; a replica being removed gets `DRAIN_SECONDS` to finish its work).
+
+`launch` is the command line's deploy: it checks that the file fits the Ray cluster first
+(`capacity.py`), says which pools are up and which wait (and why) while replicas start, and
+gives up at a deadline; every failure is one line (`DeployError`), never a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 
 import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from expresslane.fleet.capacity import shortfall
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.ingress import Ingress
 from expresslane.fleet.names import APP_NAME, INGRESS, pool_deployment_name
@@ -90,3 +98,86 @@ def deploy(spec: ClusterSpec, num_cpus: float | None = None) -> str:
     model_dir = spec.model or str(demo_model_dir())
     serve.run(build_application(spec, model_dir), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"
+
+
+class DeployError(RuntimeError):
+    """A cluster file that cannot be deployed here, said in one line."""
+
+
+def launch(
+    spec: ClusterSpec, num_cpus: float | None, timeout_s: float, say: Callable[[str], None]
+) -> str:
+    """`deploy`, checked and watched: raises DeployError."""
+    connect(num_cpus)
+    problem = shortfall(spec, [n["Resources"] for n in ray.nodes() if n["Alive"]])
+    if problem:
+        raise DeployError(problem)
+    _start_proxy(spec, say)
+    model_dir = spec.model or _demo_model()
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            serve.run(build_application(spec, model_dir), name=APP_NAME, route_prefix="/")
+        except Exception as e:  # noqa: BLE001  (reported as one line)
+            failed.append(e)
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="serve-run").start()
+    _watch(spec, done, timeout_s, say)
+    if failed:
+        raise DeployError(f"the deployment failed: {_first_line(failed[0])}")
+    return f"http://{spec.ingress.host}:{spec.ingress.port}"
+
+
+def _start_proxy(spec: ClusterSpec, say: Callable[[str], None]) -> None:
+    """Serve's HTTP proxy; a busy machine may not start it in Ray's time: one more try."""
+    options = {"host": spec.ingress.host, "port": spec.ingress.port}
+    for attempt in (1, 2):
+        try:
+            serve.start(http_options=options)
+            return
+        except Exception as e:  # noqa: BLE001  (Ray raises several kinds here)
+            if attempt == 2:
+                raise DeployError(f"Ray Serve's HTTP proxy did not start: {_first_line(e)}") from e
+            say(f"Ray Serve's HTTP proxy did not start ({_first_line(e)}); trying again")
+            serve.shutdown()
+
+
+def _watch(spec: ClusterSpec, done: threading.Event, timeout_s: float, say) -> None:
+    deadline, last = time.monotonic() + timeout_s, None
+    while not done.wait(2.0):
+        line = progress(spec)
+        if line != last:
+            say(line)
+            last = line
+        if time.monotonic() > deadline:
+            serve.shutdown()
+            raise DeployError(f"gave up after {timeout_s:g} s waiting for replicas: {line}")
+
+
+def progress(spec: ClusterSpec) -> str:
+    """One line: each pool's running replicas of those it starts with, and why it waits."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001  (the controller may still be starting)
+        app = None
+    parts = []
+    for name, pool in spec.pools.items():
+        want = pool.min_replicas if pool.autoscaled else pool.replicas
+        d = app.deployments.get(pool_deployment_name(name)) if app else None
+        running = d.replica_states.get("RUNNING", 0) if d else 0
+        why = f" ({_first_line(d.message)})" if d and d.message and running < want else ""
+        parts.append(f"pool {name}: {running}/{want} running{why}")
+    return "; ".join(parts)
+
+
+def _first_line(e) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _demo_model() -> str:
+    from expresslane.demo import demo_model_dir
+
+    return str(demo_model_dir())
