@@ -246,13 +246,15 @@ def test_forced_guesses_kept_over_a_capped_step(engines):
     """A constrained request of a lane without a proposer that keeps its forced guesses over
     a step that capped it (the planner runs twice before its tokens are verified)."""
     eng = engines["plain"]
-    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    path = {"const": "src/expresslane/main.py"}
+    schema = {"type": "object", "properties": {"path": path}, "required": ["path"]}
     params = SamplingParams(
         max_tokens=24, temperature=0.0, grammar=json_schema(schema, "response_format")
     )
     req = eng.add_request("x", params, lane="flex")
-    while not req.num_output_tokens:
-        eng.step()  # now {"path": " is forced
+    while not req.num_output_tokens or not req.matcher.compute_ff_tokens():
+        assert eng.has_unfinished()
+        eng.step()  # until the grammar forces tokens (the key's, the path's)
     engines["none"].guesses.add_forced(eng.scheduler.running)
     assert req.spec.guesses and req.spec.forced
     engines["none"].guesses.add_forced(eng.scheduler.running)  # the capped step's turn

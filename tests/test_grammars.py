@@ -7,7 +7,7 @@ import pytest
 
 from expresslane.demo import demo_model_dir
 from expresslane.engine.grammar import GrammarMatchers
-from expresslane.grammars import tool_calls
+from expresslane.grammars import MAX_INDENT, json_schema, tool_calls
 from expresslane.tokenizer import Tokenizer
 from expresslane.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser
 
@@ -91,3 +91,27 @@ def test_tool_schemas_with_refs_resolve(grammars):
     call = '<tool_call>\n{"name": "g", "arguments": {"p": {"x": 3}}}\n</tool_call>'
     assert _accepts(grammars, grammar, call)
     assert not _accepts(grammars, grammar, call.replace("3", '"3"'))
+
+
+def test_json_takes_the_models_own_spacing(grammars):
+    """Compact or indented JSON, as the model writes it; not unbounded whitespace."""
+    schema = {"type": "object", "properties": {"a": {"type": "array"}}, "required": ["a"]}
+    grammar = json_schema(schema, "response_format")
+    for text in ('{"a":[1,2]}', '{"a": [1, 2]}', '{\n  "a": [\n    1,\n    2\n  ]\n}'):
+        assert _accepts(grammars, grammar, text), text
+    assert not _accepts(grammars, grammar, '{\n\n  "a"')
+    assert not _accepts(grammars, grammar, "{" + " " * (MAX_INDENT + 1))
+
+
+def test_arguments_are_the_declared_ones_unless_others_are_allowed(grammars):
+    gm, _ = grammars
+    markup = HermesToolParser.markup
+    listed = {"type": "object", "properties": {"path": {"type": "string"}}}
+    extra = '<tool_call>\n{"name": "f", "arguments": {"path": "a", "mode": "r"}}\n</tool_call>'
+    for params, ok in ((listed, False), ({**listed, "additionalProperties": True}, True)):
+        grammar = tool_calls(
+            markup, [{"name": "f", "parameters": params}], "required", False, gm.literal
+        )
+        assert _accepts(grammars, grammar, extra) == ok
+    grammar = tool_calls(markup, [{"name": "f", "parameters": None}], "required", False, gm.literal)
+    assert _accepts(grammars, grammar, extra)

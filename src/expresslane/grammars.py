@@ -2,10 +2,13 @@
 calls in the model's own markup, with names and arguments constrained to the declared tools.
 
 Grammars are llguidance Lark text (`sampling_params.Grammar`); JSON parts embed the schema with
-`%json`, written with the separators models are trained on (`", "`, `": "`) and no free
-whitespace. Special tokens (`<tool_call>`, `[TOOL_CALLS]`) are token terminals, so plain text,
-which a regex matches byte by byte, can never contain one: with `tool_choice` `none` or `auto`
-the model cannot open a call the grammar did not declare.
+`%json`. Between JSON tokens the model writes the whitespace it would write unconstrained
+(compact `{"a": 1}` or indented over lines), at most one line break and `MAX_INDENT` spaces or
+tabs at each place, so that a model cannot spin in whitespace. Special tokens (`<tool_call>`,
+`[TOOL_CALLS]`) are token terminals, so plain text, which a regex matches byte by byte, can
+never contain one: with `tool_choice` `none` or `auto` the model cannot open a call the grammar
+did not declare. A marker that is plain text (a vocabulary without the token) ends the text
+where it first occurs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 
 from expresslane.sampling_params import Grammar
 
-JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+MAX_INDENT = 40
+JSON_STYLE = {"whitespace_pattern": rf"(\r?\n)?[\x20\x09]{{0,{MAX_INDENT}}}"}
 ANY = "(.|\\n)*"
 Literal = Callable[[str], str]  # text -> Lark sequence (GrammarMatchers.literal)
 
@@ -36,6 +40,11 @@ class CallMarkup:
     close: str = ""
     args_key: str = "arguments"
     anchored: bool = False
+
+    def write(self, bodies: list[str]) -> str:
+        """Calls as this format writes them, from their JSON bodies."""
+        items = self.sep.join(f"{self.item_open}{b}{self.item_close}" for b in bodies)
+        return f"{self.open}{items}{self.close}"
 
     @property
     def text_rule(self) -> str:
@@ -119,12 +128,16 @@ def _after_marker_rules(markup: CallMarkup, parallel: bool, literal: Literal) ->
     )
 
 
+OPEN_ENDED = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+COMBINED = ("allOf", "anyOf", "oneOf", "$ref")
+
+
 def call_schema(tools: list[dict], args_key: str) -> dict:
     """One call of any of `tools`: {"name": <declared>, args_key: <its parameters>}. Each tool's
     `$defs` move to the root (renamed per tool), so that their `$ref`s still resolve."""
     options, defs = [], {}
     for i, tool in enumerate(tools):
-        params = dict(tool.get("parameters") or {"type": "object"})
+        params = _declared_only(tool.get("parameters") or {"type": "object"})
         local = {**params.pop("$defs", {}), **params.pop("definitions", {})}
         rename = {name: f"t{i}_{name}" for name in local}
         defs.update({rename[k]: _rewrite_refs(v, rename) for k, v in local.items()})
@@ -139,6 +152,14 @@ def call_schema(tools: list[dict], args_key: str) -> dict:
         )
     schema: dict = {"anyOf": options} if len(options) != 1 else options[0]
     return {**schema, "$defs": defs} if defs else schema
+
+
+def _declared_only(params: dict) -> dict:
+    """Parameters that list their properties and say nothing of others take no others: a
+    function's unknown argument is an error, and a model that strays past the last declared
+    one (writing out the schema it was shown, say) would otherwise never close the call."""
+    listed = "properties" in params and not any(k in params for k in OPEN_ENDED + COMBINED)
+    return {**params, "additionalProperties": False} if listed else dict(params)
 
 
 def _rewrite_refs(node, rename: dict[str, str]):

@@ -285,7 +285,29 @@ async def test_bundled_tasks_fail_as_shipped():
 # -- against the test server ---------------------------------------------------------------
 
 
-def test_agent_against_server(server, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def wide_server(llama_dir):
+    """The test server's random model with room for the agent's tools, which its template does
+    not render: the server writes them into the system message (server/tool_prompt.py)."""
+    from expresslane.config import EngineConfig
+    from expresslane.engine.async_engine import AsyncEngine
+    from expresslane.engine.engine import LLMEngine
+    from expresslane.server.app import create_app
+    from expresslane.server.settings import ServerSettings
+
+    from .conftest import ServerThread
+
+    config = EngineConfig(model=str(llama_dir), max_model_len=4096, num_kv_blocks=1024, seed=0)
+    engine = AsyncEngine(LLMEngine(config))
+    try:
+        with ServerThread(create_app(engine, ServerSettings(store_path=":memory:"))) as s:
+            yield s
+    finally:
+        engine.shutdown()
+
+
+def test_agent_against_server(wide_server, tmp_path, monkeypatch):
+    server = wide_server
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = tmp_path / "out"
     common = ["--base-url", server.url, "--output-tokens", "4", "--quiet", "--out", str(out)]

@@ -17,6 +17,7 @@ from expresslane.server.prompt import (
     responses_input,
     template_tools,
 )
+from expresslane.server.tool_prompt import ToolPromptTokenizer, tools_prompt
 from expresslane.tokenizer import Tokenizer
 from expresslane.tool_parsers import HermesToolParser
 
@@ -155,3 +156,62 @@ def test_chat_messages():
     with pytest.raises(APIError) as e:
         chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     assert e.value.param == "messages[0].content[0].type"
+
+
+# -- templates that cannot render tools (tool_prompt.py) -------------------------------------
+
+PLAIN_CHATML = (  # SmolLM2's template: no tools, no tool calls
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir) -> ToolPromptTokenizer:
+    hf = HFTokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    tok = Tokenizer(hf, {"chat_template": PLAIN_CHATML, "eos_token": "<|im_end|>"})
+    return ToolPromptTokenizer(tok, HermesToolParser.markup)
+
+
+def test_a_template_that_renders_tools_is_left_alone(tok):
+    wrapped = ToolPromptTokenizer(tok, HermesToolParser.markup)
+    assert wrapped.renders_tools
+    user = [{"role": "user", "content": "Open a.py"}]
+    assert render(wrapped, user, template_tools(TOOLS)) == render(tok, user, template_tools(TOOLS))
+
+
+def test_tools_go_into_the_system_message(plain):
+    assert not plain.renders_tools
+    user = [{"role": "user", "content": "Open a.py"}]
+    prompt = render(plain, user, template_tools(TOOLS))
+    described = tools_prompt(template_tools(TOOLS), HermesToolParser.markup)
+    assert prompt.startswith(f"<|im_start|>system\n{described}<|im_end|>\n<|im_start|>user\n")
+    assert '"name": "read_file"' in described and "<tool_call>\n{" in described
+    system = [{"role": "system", "content": "Be terse."}, *user]
+    merged = render(plain, system, template_tools(TOOLS))
+    assert merged.startswith(f"<|im_start|>system\nBe terse.\n\n{described}<|im_end|>\n")
+    assert merged.count("<|im_start|>system") == 1
+    assert render(plain, user, None) == "<|im_start|>user\nOpen a.py<|im_end|>\n" + (
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_a_call_turn_replays_as_the_model_wrote_it(plain):
+    user = [{"role": "user", "content": "Open a.py"}]
+    prompt = render(plain, user, template_tools(TOOLS))
+    model_text = (
+        'Sure.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+    )
+    parsed = HermesToolParser().parse(model_text)
+    history = user + output_messages(parsed.content, parsed.tool_calls)
+    _, results = responses_input(
+        [{"type": "function_call_output", "call_id": parsed.tool_calls[0].id, "output": "x=1"}],
+        history,
+    )
+    replay = render(plain, history + results, template_tools(TOOLS))
+    assert replay.startswith(prompt + model_text + "<|im_end|>\n")
+    assert replay.endswith(
+        "<|im_start|>user\n<tool_response>\nx=1\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

@@ -17,6 +17,7 @@ from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings
 from expresslane.server.store import ResponseStore
+from expresslane.server.tool_prompt import ToolPromptTokenizer
 from expresslane.tool_parsers import ToolParser
 
 
@@ -33,9 +34,14 @@ class ServerState:
     jobs: dict = field(default_factory=dict)  # response id -> ResponseJob (in flight/recent)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    @functools.cached_property
+    def tokenizer(self) -> ToolPromptTokenizer | None:
+        """The model's tokenizer; its chat template is given the tools even when the model's
+        own cannot render them (`tool_prompt.py`)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return None
+        return ToolPromptTokenizer(tokenizer, self.tool_parser.markup)
 
     @property
     def max_model_len(self) -> int:

@@ -71,7 +71,16 @@ def tool_setup(
     grammar = None
     if tools:
         markup = state.tool_parser.markup
+        parallel = parallel and _knows_calls(state)
         grammar = tool_calls(markup, tools, chosen, parallel, state.grammar_literal, content)
     if grammar is None and content is not None:
         grammar = json_schema(content, content_param)
     return ToolSetup(tools, chosen, parser, grammar)
+
+
+def _knows_calls(state: ServerState) -> bool:
+    """Whether the model's own template renders tools. One that cannot is shown one call in
+    the system message (`tool_prompt.py`) and gets at most one: after a call such a model
+    writes a newline on its way to prose, which the grammar would read as the start of the
+    next call, so that it repeats the call until it runs out of tokens."""
+    return state.tokenizer is None or state.tokenizer.renders_tools
