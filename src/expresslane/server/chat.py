@@ -19,6 +19,7 @@ from expresslane.server.generation import (
     merged,
     openai_penalties,
     submit_all,
+    with_model_defaults,
 )
 from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
@@ -36,6 +37,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     received = time.perf_counter()
     state: ServerState = get_state(request)
     model = state.check_model(body.model)
+    body = with_model_defaults(body, state.engine.sampling_defaults)
     chars = _validate(state, body)
     ticket = state.admit(request, body.service_tier)
     setup, prompt, params, names = await _build(state, body, chars)

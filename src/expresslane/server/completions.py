@@ -19,6 +19,7 @@ from expresslane.server.generation import (
     merged,
     openai_penalties,
     submit_all,
+    with_model_defaults,
 )
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
@@ -169,6 +170,7 @@ async def completions(body: CompletionRequest, request: Request):
     received = time.perf_counter()
     state: ServerState = get_state(request)
     model = state.check_model(body.model)
+    body = with_model_defaults(body, state.engine.sampling_defaults)
     n = _check_unsupported(body)
     prompts = _prompts(body.prompt)
     chars = _check_prompts(state, prompts)

@@ -40,6 +40,14 @@ SHARED_SAMPLING_FIELDS = (
 )
 
 
+def with_model_defaults(body, defaults: dict):
+    """`body` with the model's generation-config settings (`ServingEngine.sampling_defaults`)
+    in the shared sampling fields it leaves unset, as vLLM applies them; echoed as used."""
+    shared = {k: v for k, v in defaults.items() if k in SHARED_SAMPLING_FIELDS}
+    update = {k: v for k, v in shared.items() if getattr(body, k) is None}
+    return body.model_copy(update=update) if update else body
+
+
 def make_params(names: dict[str, str], body=None, **kwargs) -> SamplingParams:
     """SamplingParams from the body's shared sampling fields plus the non-None keyword
     arguments; errors name the API's fields."""

@@ -21,7 +21,13 @@ from expresslane.server.accounts import Ticket
 from expresslane.server.durability import ProgressClock, mark_interrupted
 from expresslane.server.errors import database_unavailable, invalid
 from expresslane.server.event_log import EventLog
-from expresslane.server.generation import Generation, make_params, prepare, start
+from expresslane.server.generation import (
+    Generation,
+    make_params,
+    prepare,
+    start,
+    with_model_defaults,
+)
 from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
     new_id,
@@ -360,6 +366,7 @@ async def prepare_response(
     generate: bool = True,
     ticket: Ticket,
 ) -> ResponseJob:
+    req = with_model_defaults(req, state.engine.sampling_defaults)
     p = await prepare_request(state, req, ticket=ticket, local=local, generate=generate)
     (gen,) = start(state, [p.engine_req], ticket, received)
     model, store = state.check_model(req.model), req.store is not False
