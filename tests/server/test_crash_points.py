@@ -1,8 +1,9 @@
 """Acknowledged means durable: stored responses are created back to back against a real
 `expresslane serve`, which is killed with SIGKILL at a random moment (or right after an answer
 reached the client), then restarted on the same store; every id the client received answers
-200 (completed, incomplete or failed: never 404), and each has at most one ledger row, whose
-tokens are the stored response's usage.
+200 (completed, incomplete or failed: never 404), and each has at most one ledger row: a
+completed one's tokens are its stored usage; one the restart marked incomplete was billed
+either then, for what it had saved, or at its end, just before the kill took its final state.
 
 `test_acknowledged_ids_survive_kill_9` runs a few kill points on SQLite in the default run; the
 slow variant runs `EXPRESSLANE_KILL_POINTS` (default 100) on SQLite and on PostgreSQL:
@@ -95,9 +96,11 @@ def check_all(server: Serve, ids: list[str], database: str | None) -> None:
             continue
         rows = billed.get(rid, [])
         assert len(rows) <= 1, f"{rid} billed {len(rows)} times"
-        if response["status"] != "failed" and response.get("usage"):
-            used = response["usage"]
+        used = response.get("usage")
+        if response["status"] == "completed":
             assert rows == [(used["input_tokens"], used["output_tokens"])], (rid, response)
+        elif rows and used:  # billed at its end, whose stored state the kill may have taken:
+            assert rows[0][1] >= used["output_tokens"], (rid, rows, response)  # (then: none)
 
 
 def run_kill_points(root, points: int, seed: int, database: str | None = None) -> int:
