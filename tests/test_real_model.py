@@ -1,5 +1,7 @@
 """SmolLM2-135M-Instruct, the real model (tests/real_model.py): its GGUF file as it ships and
-the directory transformers 5 saves from it load unchanged and decode as transformers does."""
+the directory transformers 5 saves from it load unchanged and decode as transformers does.
+Token parity is checked with the file's 4-bit blocks widened to bf16 (the weights transformers
+computes with); the 4-bit path is checked against transformers in tests/test_gguf_int4.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from expresslane import LLM, SamplingParams
 from expresslane.checkpoint import read_checkpoint
 from expresslane.model_source import resolve_model
-from expresslane.models.gguf_file import GgufFile
+from expresslane.models.gguf_file import KEEP_4BIT_ENV, GgufFile
 from expresslane.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +40,9 @@ def chat_prompts(smollm2_gguf) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gguf_llm(smollm2_gguf):
-    return LLM(str(smollm2_gguf), seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEEP_4BIT_ENV, "0")
+        return LLM(str(smollm2_gguf), seed=0)
 
 
 @pytest.fixture(scope="module")

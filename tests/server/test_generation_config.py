@@ -53,7 +53,9 @@ def test_requests_take_the_defaults_and_their_own_values_win(client):
     chat = [
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, seed=s
-        ).choices[0].message.content
+        )
+        .choices[0]
+        .message.content
         for s in (1, 2, 3)
     ]
     assert len(set(chat)) == 1  # greedy by default, whatever the seed

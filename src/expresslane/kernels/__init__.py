@@ -30,6 +30,7 @@ SOURCES = (
     "f16dot_cpu.cpp",
     "layer_stack_cpu.cpp",
     "fp4_cpu.cpp",
+    "int4_cpu.cpp",
     "mask_cpu.cpp",
     "sample_cpu.cpp",
 )

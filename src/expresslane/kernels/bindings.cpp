@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filter_rows", &filter_rows, "the distribution sample_rows draws from: temperature, min_p, top_k, top_p", NoGil());
   m.def("draw_rows", &draw_rows, "one token per row of weights by inverse transform", NoGil());
   m.def("fp4_linear", &fp4_linear, "x (fp32) @ W^T (MXFP4/NVFP4 codes + block scales) + b (AVX2+FMA)", NoGil());
+  m.def("int4_linear", &int4_linear, "x (fp32) @ W^T (4-bit integer blocks of 32: codes, scales, mins) + b (AVX2+FMA)", NoGil());
   m.def("half_linear", &half_linear, "x (fp32) @ W^T (bf16 or fp16) + b, for small batches (AVX2+FMA+F16C or AVX-512)", NoGil());
   m.def("bf16_dot_available", &bf16_dot_available, "whether this build has the AVX-512 BF16 dot-product linear");
   m.def("pack_bf16_dot", &pack_bf16_dot, "bf16 W [N, K] -> the bf16_dot_linear layout [N/16, K/2, 32]", NoGil());

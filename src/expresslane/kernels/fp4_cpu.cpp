@@ -20,13 +20,13 @@
 
 #include "common.h"
 #include "constants.h"
-#include "fp4_activations.h"
 #include "kernels.h"
+#include "w4a8_rows.h"
 
 namespace {
 
 using expresslane::ScaleKind;
-using namespace expresslane::fp4;
+using namespace expresslane::w4a8;
 using expresslane::value;
 
 alignas(16) const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -84,22 +84,14 @@ inline void row_kernel(const float* x, const uint8_t* codes, const uint8_t* scal
   for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) * row_scale + (bias ? bias[n] : 0.0f);
 }
 
-// The integer path, used when K is a multiple of 32, as llama.cpp does for Q4_0 x Q8_0:
-// activations are quantized to int8 per 32 values (scale amax/127, round to nearest) once
-// per call, and weights meet them in unsigned x signed byte dot products (vpmaddubsw). Its
-// error against the float path is the activation rounding, about 0.2% of a dot product.
-// Layout choices keep a pair of 32-weight groups at ~15 instructions:
-// - two groups (32 code bytes) are expanded per 256-bit load: the low nibbles give the even
-//   elements of both groups, the high nibbles the odd ones, one byte shuffle each; nibbles
-//   are never re-interleaved, the activations are stored in that order instead
-//   ([even j | even j+1 | odd j | odd j+1] per pair; a last unpaired group [even | odd]);
-// - the shuffle table holds the doubled E2M1 values + 12 (0..24, unsigned, as vpmaddubsw
-//   wants); the + 12 comes back out as 12 x the activations' sums per int32 lane,
-//   precomputed per call;
-// - the block scales of a run of whole rows are decoded eight at a time before their groups
-//   are visited; a pair then multiplies its 4 (NVFP4) or 2 weight scales by the activations'.
-constexpr int64_t kAhead = 4;  // software prefetch distance, in passes of R weight rows
+// The integer path (w4a8_rows.h), used when K is a multiple of 32: codes through a byte
+// shuffle of the doubled E2M1 values + 12 (0..24, unsigned, as the byte dot products want).
 alignas(16) const int8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+struct E2M1Codes {
+  static constexpr bool kShuffle = true;
+  static __m128i table() { return _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset)); }
+};
 
 // Eight scale bytes -> eight floats, halved to undo the doubled E2M1 table. Block scales are
 // nonnegative. E4M3: normal values by moving the bits into place, subnormals (exponent 0,
@@ -120,207 +112,17 @@ void decode_scales(const uint8_t* scales, int64_t n, ScaleKind kind, const float
   for (; i < n; ++i) out[i] = table[scales[i]];
 }
 
-// Byte dot products, each int32 lane the sum of 4 adjacent unsigned x signed byte products
-// (of a and b, plus those of c and d for a pair). With AVX-512 VNNI one instruction does what
-// vpmaddubsw + vpmaddwd do; the integers are the same (no int16 saturation is reachable: at
-// most 2 x 24 x 127 per int16 lane, 4 of them summed).
-inline __m256i group_dot(__m256i a, __m256i b, __m256i ones) {
-#ifdef __AVX512VNNI__
-  (void)ones;
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones);
-#endif
-}
-
-inline __m256i pair_dot(__m256i a, __m256i b, __m256i c, __m256i d, __m256i ones) {
-#ifdef __AVX512VNNI__
-  (void)ones;
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b), c, d);
-#else
-  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a, b), _mm256_maddubs_epi16(c, d)), ones);
-#endif
-}
-
-// Rows m0.. of a QuantizedX.
-struct XRows {
-  const int8_t* q;
-  const int32_t* corr;
-  const float* scale;
-  int64_t scale_stride;  // floats per row of `scale`
-};
-
-// The parts of `rows_i8`, inlined into it (the same code as one function): passes over the
-// groups of a quad, of a pair and the last unpaired group, from group j on.
-#define EXPRESSLANE_INLINE inline __attribute__((always_inline))
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-template <int M, int R, int BS>
-EXPRESSLANE_INLINE void quads_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t& j,
-                                 __m512 (&acc4)[R][M]) {
-  const int64_t groups = K / 32, nb = K / BS;
-  // Quads: lane l of the 16 int32 lanes covers elements 8 (l % 4) .. + 7 of group j + l / 4
-  // (lanes 0-7 the first pair, as in pairs_i8, 8-15 the second), so NVFP4 lanes take block scales
-  // b0 + l / 2 and MXFP4 lanes b0 + l / 4.
-  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const __m512i lut4 = _mm512_broadcast_i32x4(lut128);
-  const __m512i low4x = _mm512_set1_epi8(0x0F);
-  const __m512i spread4 = BS == 16 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
-                                   : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (; j + kQuadGroups <= groups; j += kQuadGroups) {
-    const int64_t b0 = j * 32 / BS;
-    const char* ahead = reinterpret_cast<const char*>(codes) + kAhead * R * (K / 2) + R * 16 * j;
-    for (int i = 0; i < R * 64; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      const __m512i b = _mm512_loadu_si512(codes + r * (K / 2) + 16 * j);
-      const __m512i even = _mm512_shuffle_epi8(lut4, _mm512_and_si512(b, low4x));
-      const __m512i odd = _mm512_shuffle_epi8(lut4, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4x));
-      for (int m = 0; m < M; ++m) {
-        const int8_t* x = xq.q + m * K + 32 * j;
-        const float* ws = dec + r * nb + b0;
-        const float* xs = xq.scale + m * xq.scale_stride + b0;
-        const __m512 scales = BS == 16
-            ? _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(xs)))
-            : _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(ws), _mm_loadu_ps(xs)));
-        const __m512 s = _mm512_permutexvar_ps(spread4, scales);
-        const __m512i corr = _mm512_loadu_si512(xq.corr + (m * groups + j) * 8);
-        const __m512i dot = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), corr), even, _mm512_loadu_si512(x)), odd,
-            _mm512_loadu_si512(x + 64));
-        acc4[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc4[r][m]);
-      }
-    }
-  }
-}
-#endif
-
-template <int M, int R, int BS>
-EXPRESSLANE_INLINE void pairs_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t& j,
-                                 __m256 (&acc)[R][M]) {
-  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const __m256i lut = _mm256_set_m128i(lut128, lut128);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t groups = K / 32, nb = K / BS;
-  // Groups j, j + 1: int32 lane l covers elements 8 (l % 4) .. + 7 of group j + l / 4, so
-  // NVFP4 lanes take block scales 2j + l / 2, MXFP4 lanes j + l / 4.
-  const __m256i spread = BS == 16 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  auto pair_scales = [&](const float* w, const float* x) {  // the pair's 4 (NVFP4) or 2 block scales
-    if (BS == 16) return _mm_mul_ps(_mm_loadu_ps(w), _mm_loadu_ps(x));
-    const auto two = [](const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); };
-    return _mm_mul_ps(two(w), two(x));
-  };
-  for (; j + 2 <= groups; j += 2) {
-    const int64_t b0 = j * 32 / BS;  // the pair's first block
-    // the R rows kAhead passes on, front to back at the pace these are read: one sequential
-    // stream far enough ahead to cover DRAM latency (M = 1 from DRAM: 33 against 29 GB/s
-    // prefetching the next R rows)
-    const char* ahead = reinterpret_cast<const char*>(codes) + kAhead * R * (K / 2) + R * 16 * j;
-    for (int i = 0; i < R * 32; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* p = codes + r * (K / 2) + 16 * j;
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, low4));
-      const __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
-      for (int m = 0; m < M; ++m) {
-        const int8_t* x = xq.q + m * K + 32 * j;
-        const __m256 s = _mm256_permutevar8x32_ps(
-            _mm256_castps128_ps256(pair_scales(dec + r * nb + b0, xq.scale + m * xq.scale_stride + b0)), spread);
-        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
-        const __m256i dot = _mm256_sub_epi32(pair_dot(even, xe, odd, xo, ones), corr);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][m]);
-      }
-    }
-  }
-}
-
-template <int M, int R, int BS>
-EXPRESSLANE_INLINE void last_group_i8(const XRows& xq, const uint8_t* codes, const float* dec, int64_t K, int64_t j,
-                                      __m256 (&acc)[R][M]) {
-  const __m128i lut128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const __m256i lut = _mm256_set_m128i(lut128, lut128);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t groups = K / 32, nb = K / BS;
-  if (j < groups) {  // a last unpaired group: [even | odd], int32 lanes of 4 values
-    const int64_t b0 = j * 32 / BS;
-    // NVFP4: lanes 0, 1, 4, 5 hold the first block's elements, lanes 2, 3, 6, 7 the second's
-    const __m256i halves = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
-    for (int r = 0; r < R; ++r) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * (K / 2) + 16 * j));
-      const __m128i lo = _mm_and_si128(b, _mm256_castsi256_si128(low4));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm256_castsi256_si128(low4));
-      const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(hi, lo));
-      for (int m = 0; m < M; ++m) {
-        const float* xs = xq.scale + m * xq.scale_stride + b0;
-        const float* ws = dec + r * nb + b0;
-        const __m256 s = BS == 16 ? _mm256_permutevar8x32_ps(
-                                        _mm256_castps128_ps256(_mm_mul_ps(
-                                            _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws))),
-                                            _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs))))),
-                                        halves)
-                                  : _mm256_set1_ps(ws[0] * xs[0]);
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + m * K + 32 * j));
-        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.corr + (m * groups + j) * 8));
-        const __m256i dot = _mm256_sub_epi32(group_dot(w, xv, ones), corr);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][m]);
-      }
-    }
-  }
-}
-
-// R consecutive weight rows (n..) against M activation rows. A block's weight scale times the
-// activations' scale of that block gives the scale of an int32 partial sum. With several
-// weight rows per pass the activation loads are shared and the loop and reduction costs are
-// paid once per R rows: at K = 576 this was 1.6x faster than a row at a time.
-template <int M, int R, int BS>
-inline void rows_i8(const XRows& xq, const uint8_t* codes, const float* dec, float* y, int64_t K, int64_t N,
-                    int64_t n, const float* row_scales, const float* bias) {
-  __m256 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  int64_t j = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  __m512 acc4[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc4[r][m] = _mm512_setzero_ps();
-  quads_i8<M, R, BS>(xq, codes, dec, K, j, acc4);
-#endif
-  pairs_i8<M, R, BS>(xq, codes, dec, K, j, acc);
-  last_group_i8<M, R, BS>(xq, codes, dec, K, j, acc);
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      // the quads' 16 lanes folded onto the pairs' 8 (fixed order, every M alike)
-      const __m512 a4 = acc4[r][m];
-      acc[r][m] = _mm256_add_ps(acc[r][m], _mm256_add_ps(_mm512_castps512_ps256(a4), _mm512_extractf32x8_ps(a4, 1)));
-#endif
-      y[m * N + n + r] = hsum(acc[r][m]) * row_scales[n + r] + (bias ? bias[n + r] : 0.0f);
-    }
-}
-
 template <int M, int BS>
-void gemv_i8(const QuantizedX& xq, int64_t row0, const uint8_t* codes, const uint8_t* scales,
-             const float* row_scales, ScaleKind kind, const float* table, float* y, int64_t K, int64_t N,
-             const float* bias) {
-  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;  // weight rows per pass; R * M accumulators
-  const int64_t groups = K / 32, nb = K / BS, n8 = (nb + 7) / 8 * 8;
-  const XRows x{xq.q.data() + row0 * K, xq.corr.data() + row0 * groups * 8, xq.scale.data() + row0 * n8, n8};
-  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-    // the block scales of up to 64 rows at a time, decoded once
-    std::vector<float> dec(64 * nb + 8);
-    for (int64_t c0 = n0; c0 < n1; c0 += 64) {
-      const int64_t c1 = std::min(n1, c0 + 64);
-      decode_scales(scales + c0 * nb, (c1 - c0) * nb, kind, table, dec.data());
-      int64_t n = c0;
-      for (; n + R <= c1; n += R)
-        rows_i8<M, R, BS>(x, codes + n * (K / 2), dec.data() + (n - c0) * nb, y, K, N, n, row_scales, bias);
-      for (; n < c1; ++n)
-        rows_i8<M, 1, BS>(x, codes + n * (K / 2), dec.data() + (n - c0) * nb, y, K, N, n, row_scales, bias);
-    }
-  });
+void gemv_e2m1(const QuantizedX& xq, int64_t m0, const uint8_t* codes, const uint8_t* scales, const float* row_scales,
+               ScaleKind kind, const float* table, float* y, int64_t K, int64_t N, const float* bias) {
+  const int64_t nb = K / BS;
+  auto decode = [&](int64_t c0, int64_t c1, float* dec) {
+    decode_scales(scales + c0 * nb, (c1 - c0) * nb, kind, table, dec);
+  };
+  auto finish = [&](int64_t n, int m, __m256 lanes, const float*) {
+    y[m * N + n] = hsum(lanes) * row_scales[n] + (bias ? bias[n] : 0.0f);
+  };
+  expresslane::w4a8::gemv_i8<E2M1Codes, M, BS>(xq, m0, codes, K, N, 0, decode, finish);
 }
 
 template <int M, int BS>
@@ -338,21 +140,9 @@ void run(const float* x, const uint8_t* codes, const uint8_t* scales, const floa
   if (K % 32 == 0) {
     const QuantizedX xq = quantize_activations(x, M, K, BS);
     expresslane::for_row_blocks<kI8Rows>(M, [&](int64_t m0, int64_t mb) {
-      float* yp = y + m0 * N;
-      switch (mb) {
-        case 1: gemv_i8<1, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        case 2: gemv_i8<2, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        case 3: gemv_i8<3, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        case 4: gemv_i8<4, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        case 5: gemv_i8<5, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        case 6: gemv_i8<6, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        case 7: gemv_i8<7, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-        default: gemv_i8<8, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-#else
-        default: gemv_i8<4, BS>(xq, m0, codes, scales, row_scales, kind, table, yp, K, N, bias); break;
-#endif
-      }
+      expresslane::with_rows<kI8Rows>(mb, [&](auto rows) {
+        gemv_e2m1<decltype(rows)::value, BS>(xq, m0, codes, scales, row_scales, kind, table, y + m0 * N, K, N, bias);
+      });
     });
     return;
   }

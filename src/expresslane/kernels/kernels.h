@@ -30,6 +30,11 @@ bool f16_dot_available();
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor row_scales,
                          c10::optional<torch::Tensor> bias, int64_t block, int64_t scale_kind);
 
+// int4_cpu.cpp: x (fp32) @ W^T (4-bit integer codes, a float16 or float32 scale per 32 and a min
+// per 32, or none: Q4_0's -8 x the scale) + b.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                          c10::optional<torch::Tensor> bias);
+
 // mask_cpu.cpp: grammar masks, the logits of tokens a row's bitmask disallows set to -inf.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor mask_rows);
 

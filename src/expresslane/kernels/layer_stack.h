@@ -17,7 +17,8 @@ struct PromptRows {
 };
 
 // A bf16 weight: [N, K] (gemv_cpu.cpp) or packed for bf16 dot products, [N/16, K/2, 32]
-// (bf16dot_cpu.cpp); or FP4 codes + block scales + row scales (see fp4_cpu.cpp). `matrix`:
+// (bf16dot_cpu.cpp); FP4 codes + block scale bytes + row scales (see fp4_cpu.cpp); or integer
+// codes + float16/float32 block scales + block mins (int4_cpu.cpp; mins empty: none). `matrix`:
 // the plain bf16 weight [N, K] for prompt rows in oneDNN's bf16 matmul (undefined: none).
 struct Linear {
   std::vector<torch::Tensor> w;
@@ -41,8 +42,8 @@ class LayerStack {
  public:
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t ffn, double eps);
 
-  // linears: qkv, o, gate_up, down, each [bf16 weight] or [codes, scales, row scales];
-  // fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (PagedKV).
+  // linears: qkv, o, gate_up, down, each [bf16 weight], [codes, scales, row scales] (FP4) or
+  // [codes, scales, mins] (4-bit integers); fp4_block / fp4_scale_kind describe the FP4 ones. kv, kind: the layer's cache (PagedKV).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, std::vector<std::vector<torch::Tensor>> linears,
                  c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> kv, int64_t kind,

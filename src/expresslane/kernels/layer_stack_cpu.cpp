@@ -6,7 +6,7 @@
 // milliseconds per step for a 30-layer model, as much as streaming the weights. This computes
 // what expresslane.models.llama.DecoderLayer + PagedAttention._decode compute (float32
 // activations and KV cache) with the linear layers in the kernels of gemv_cpu.cpp,
-// bf16dot_cpu.cpp or fp4_cpu.cpp and everything else as plain loops (decode_ops.h);
+// bf16dot_cpu.cpp, fp4_cpu.cpp or int4_cpu.cpp and everything else as plain loops (decode_ops.h);
 // attention reads the paged cache in place instead of gathering it (paged_attention.h). The
 // Python code is the reference it is tested against (tests/test_kernels.py). The class is
 // declared in layer_stack.h.
@@ -48,6 +48,7 @@ torch::Tensor expresslane::Linear::operator()(const torch::Tensor& x) const {
   if (w.size() == 1 && w[0].dim() == 3)
     return w[0].dtype() == torch::kHalf ? f16_dot_linear(x, w[0], bias) : bf16_dot_linear(x, w[0], bias);
   if (w.size() == 1) return half_linear(x, w[0], bias);
+  if (w[1].scalar_type() != torch::kByte) return int4_linear(x, w[0], w[1], w[2], bias);  // float block scales
   return fp4_linear(x, w[0], w[1], w[2], bias, block, scale_kind);
 }
 

@@ -1,7 +1,7 @@
 """The execution plan: which kernel each linear layer runs, and which steps run the C++ layer
 stack instead of the Python layers. Chosen once when the model is laid out for its device
-(`linear_path`, `fp4_path`) and bound to its KV cache (`ExecutionPlan.of`), logged in one line
-at load; the forward pass asks the plan (`uses_stack`) and nothing else."""
+(`linear_path`, `fp4_path`, `int4_path`) and bound to its KV cache (`ExecutionPlan.of`),
+logged in one line at load; the forward pass asks the plan (`uses_stack`) and nothing else."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from expresslane.kernels.linear_choice import PromptLinears
 # against 92 ms for SmolLM2-135M's 120 layer linears at 16 rows (float32 matmul).
 ROW_KERNEL_ROWS = 16
 
-# Decode-only steps of up to this many tokens run the layer stack over FP4 linears where not
+# Decode-only steps of up to this many tokens run the layer stack over 4-bit linears where not
 # every step does (an output head without a row-invariant kernel): a batch-64 decode step of
 # SmolLM2-135M took 264 ms there against 506 ms in the Python layers.
 FP4_STACK_ROWS = 64
@@ -36,14 +36,25 @@ class LinearPath(enum.StrEnum):
     TORCH = "torch"  # F.linear
     FP4_W4A8 = "fp4-w4a8"  # kernels/fp4_cpu.cpp: FP4 codes expanded in registers, every batch
     FP4_DEQUANTIZE = "fp4-dequantize"  # the PyTorch reference, or Triton on CUDA
+    INT4_W4A8 = "int4-w4a8"  # kernels/int4_cpu.cpp: GGUF's 4-bit integer blocks, every batch
+    INT4_DEQUANTIZE = "int4-dequantize"  # the PyTorch reference (CUDA too)
 
 
 # Paths whose rows come out the same whatever the batch beside them
-ROW_INVARIANT = frozenset({LinearPath.BF16_DOT, LinearPath.FP4_W4A8})
+ROW_INVARIANT = frozenset({LinearPath.BF16_DOT, LinearPath.FP4_W4A8, LinearPath.INT4_W4A8})
 # The row kernel over 16-bit weights (gemv_cpu.cpp) up to ROW_KERNEL_ROWS rows, then oneDNN
 ROW_PATHS = frozenset({LinearPath.BF16_ROWS, LinearPath.F16_ROWS})
 # Paths the C++ layer stack runs (it is built when every layer linear takes one)
 STACK_PATHS = ROW_INVARIANT | ROW_PATHS
+# 4-bit weights (FP4 or integer blocks), in a kernel or expanded by the reference
+FOUR_BIT_PATHS = frozenset(
+    {
+        LinearPath.FP4_W4A8,
+        LinearPath.FP4_DEQUANTIZE,
+        LinearPath.INT4_W4A8,
+        LinearPath.INT4_DEQUANTIZE,
+    }
+)
 
 
 @functools.cache
@@ -114,6 +125,13 @@ def fp4_path(compute_dtype: torch.dtype) -> LinearPath:
     return LinearPath.FP4_DEQUANTIZE
 
 
+def int4_path(compute_dtype: torch.dtype) -> LinearPath:
+    """The 4-bit integer kernel (GGUF blocks kept 4-bit) in float32 compute, as `fp4_path`."""
+    if compute_dtype == torch.float32 and kernels.cpu_kernels() is not None:
+        return LinearPath.INT4_W4A8
+    return LinearPath.INT4_DEQUANTIZE
+
+
 def _prompt_linears_text(choice: PromptLinears | None, matrix_rows: int | None) -> str:
     if choice is None:
         return ""
@@ -162,7 +180,7 @@ class ExecutionPlan:
         every step in the stack even where its linears are slower than oneDNN's for large
         batches (the bf16 row kernel), and keeps prompt rows in the row kernels."""
         paths = [head, *layers]
-        fp4 = LinearPath.FP4_W4A8 in paths or LinearPath.FP4_DEQUANTIZE in paths
+        four_bit = any(p in FOUR_BIT_PATHS for p in paths)
         # With linears that are fast and row-invariant at any batch every step runs the
         # stack: then a sequence's greedy tokens do not depend on what it was batched with
         # (speculation, other requests, prompt chunking, cached prefixes). In the stack every
@@ -177,7 +195,7 @@ class ExecutionPlan:
             kv_cache=kv_cache,
             linears=dict(Counter(paths)),
             stack=stack,
-            stack_rows=(FP4_STACK_ROWS if fp4 else ROW_KERNEL_ROWS) if stack else 0,
+            stack_rows=(FP4_STACK_ROWS if four_bit else ROW_KERNEL_ROWS) if stack else 0,
             every_step=stack and invariant,
             native_head=stack and head in STACK_PATHS,
             tiled_prompts=tiled_prompts,

@@ -1,5 +1,8 @@
 """A GGUF file (llama.cpp's format) read as a Hugging Face checkpoint: its metadata as a
-`config.json`, its tensors under Hugging Face names, dequantized by the `gguf` package.
+`config.json`, its tensors under Hugging Face names. Linear weights in 4-bit blocks (Q4_0,
+Q4_1, Q4_K) stay 4-bit (`Int4Weight`, quant/int4.py); every other tensor, the token embeddings
+included, is dequantized by the `gguf` package and widened. `EXPRESSLANE_GGUF_4BIT=0` widens
+the 4-bit ones too.
 
 llama.cpp's converter permutes the rows of a Llama model's q and k projections (its RoPE pairs
 neighbouring values, Hugging Face's pairs the two halves); `_unpermute` undoes it, as
@@ -8,13 +11,17 @@ transformers' GGUF loader does, so the tensors are what the Hugging Face checkpo
 
 from __future__ import annotations
 
+import os
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from expresslane.errors import ModelLoadError
+from expresslane.quant.gguf_blocks import INT4_TYPES, int4_from_gguf
+from expresslane.quant.int4 import Int4Weight
 
 # GGUF architecture -> (Hugging Face architecture, q/k rows permuted by the converter)
 ARCHITECTURES = {
@@ -41,6 +48,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+KEEP_4BIT_ENV = "EXPRESSLANE_GGUF_4BIT"
+# Linear layers (by GGUF name) whose 4-bit blocks are kept; the embeddings are a lookup
+_LINEARS = {
+    *("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+    "output.weight",
+}
 
 
 class GgufFile:
@@ -97,6 +110,9 @@ class GgufFile:
         return cfg
 
     def _rope_scaling(self) -> dict | None:
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:  # llama.cpp's llama3 scaling: a factor per frequency
+            return {"rope_type": "frequency_factors", "factors": _dequantize(freqs).tolist()}
         kind = self._arch_field("rope.scaling.type")
         if kind in (None, "none"):
             return None
@@ -106,19 +122,29 @@ class GgufFile:
             scaling["original_max_position_embeddings"] = original
         return scaling
 
-    def tensors(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """Every tensor under its Hugging Face name: matrices widened to `dtype`, vectors
-        (norms, biases) to float32."""
+    def tensors(
+        self, dtype: torch.dtype = torch.bfloat16, keep_4bit: bool | None = None
+    ) -> dict[str, torch.Tensor | Int4Weight]:
+        """Every tensor under its Hugging Face name: linear weights in 4-bit blocks as
+        `Int4Weight`s where `keep_4bit` (default: unless $EXPRESSLANE_GGUF_4BIT is 0), other
+        matrices widened to `dtype`, vectors (norms, biases) to float32."""
+        if keep_4bit is None:
+            keep_4bit = os.environ.get(KEEP_4BIT_ENV, "1") != "0"
         permuted = ARCHITECTURES[self.arch][1]
         heads = self._arch_field("attention.head_count")
         kv_heads = self._arch_field("attention.head_count_kv", heads)
         out = {}
         for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":  # in the config, as rope scaling
+                continue
             name, kind = _hf_name(t.name)
-            values = torch.from_numpy(_dequantize(t))
+            values = _read(t, kind, keep_4bit)
             if permuted and kind in ("attn_q", "attn_k") and name.endswith(".weight"):
-                values = _unpermute(values, heads if kind == "attn_q" else kv_heads)
-            out[name] = values.to(dtype if values.dim() == 2 else torch.float32)
+                rows = partial(_unpermute, heads=heads if kind == "attn_q" else kv_heads)
+                values = values.map_rows(rows) if isinstance(values, Int4Weight) else rows(values)
+            if isinstance(values, torch.Tensor):
+                values = values.to(dtype if values.dim() == 2 else torch.float32)
+            out[name] = values
         return out
 
 
@@ -130,6 +156,14 @@ def _hf_name(name: str) -> tuple[str, str]:
         raise ModelLoadError(f"GGUF tensor {name!r} has no Hugging Face counterpart here")
     layer, kind, suffix = m.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+
+
+def _read(t, kind: str, keep_4bit: bool) -> torch.Tensor | Int4Weight:
+    """A linear weight in 4-bit blocks as they are (where kept), anything else dequantized."""
+    linear = kind in _LINEARS and t.data.ndim == 2
+    if keep_4bit and linear and t.tensor_type.name in INT4_TYPES:
+        return int4_from_gguf(t.data, t.tensor_type.name)
+    return torch.from_numpy(_dequantize(t))
 
 
 def _dequantize(t) -> np.ndarray:

@@ -84,9 +84,14 @@ def _row_kernel(w: torch.Tensor):
 
 
 def make_linear(weight, bias: torch.Tensor | None = None) -> nn.Module:
-    """A `Linear`, or an `Fp4Linear` for a weight read from an FP4 checkpoint."""
+    """A `Linear`; an `Fp4Linear` for a weight read from an FP4 checkpoint, an `Int4Linear`
+    for 4-bit blocks kept from a GGUF file."""
+    from expresslane.quant.int4 import Int4Weight
+    from expresslane.quant.int4_linear import Int4Linear
     from expresslane.quant.linear import Fp4Linear, Fp4Weight
 
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(weight, bias)
     return Fp4Linear(weight, bias) if isinstance(weight, Fp4Weight) else Linear(weight, bias)
 
 

@@ -13,6 +13,7 @@ from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
+from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
 
 _RENAMES = {
@@ -44,7 +45,7 @@ def fuse_weights(
         if name not in raw:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
         t = raw[name]
-        return t if isinstance(t, Fp4Weight) else t.to(to)
+        return t if isinstance(t, Fp4Weight | Int4Weight) else t.to(to)
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -59,10 +60,17 @@ def fuse_weights(
             if dst == "qkv_bias" and p + parts[0] not in raw:
                 continue
             to = dtype if dst == "qkv_bias" else linear_dtype
-            tensors = [take(p + s, to) for s in parts]
-            fused = Fp4Weight.cat if isinstance(tensors[0], Fp4Weight) else torch.cat
-            out[f"layers.{i}.{dst}"] = fused(tensors)
+            out[f"layers.{i}.{dst}"] = _fuse([take(p + s, to) for s in parts], to)
     return out
+
+
+def _fuse(parts: list, dtype: torch.dtype):
+    """One weight of the parts' rows: kept FP4 or 4-bit integer when every part is; else all
+    widened to `dtype` (a GGUF may store v in 6 bits beside 4-bit q and k)."""
+    for kind in (Fp4Weight, Int4Weight):
+        if all(isinstance(p, kind) for p in parts):
+            return kind.cat(parts)
+    return torch.cat([p.to(dtype) if isinstance(p, Int4Weight) else p for p in parts])
 
 
 _PLAIN = (torch.float32, torch.float16, torch.bfloat16)

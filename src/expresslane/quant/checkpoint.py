@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.quant.formats import FORMATS, Fp4Tensor, quantize
+from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
 
 QUANT_METHOD = "expresslane_fp4"
@@ -34,7 +35,8 @@ def quantize_tensors(
     fmt = FORMATS.get(fmt_name)
     if fmt is None:
         raise ModelLoadError(f"unknown format {fmt_name!r}; choose from {sorted(FORMATS)}")
-    raw = dict(raw)
+    # 4-bit blocks kept from a GGUF file are widened first, as the file's other tensors were
+    raw = {n: _widened(t) for n, t in raw.items()}
     # The output projection is a linear layer: a tied one gets its own (quantized) copy.
     untie = not any(fnmatch.fnmatch("lm_head.weight", p) for p in skip)
     if config.get("tie_word_embeddings") and "lm_head.weight" not in raw and untie:
@@ -71,6 +73,10 @@ def quantize_tensors(
         "bytes_quantized": after,
     }
     return out, summary
+
+
+def _widened(t):
+    return t.dequantize(torch.bfloat16) if isinstance(t, Int4Weight) else t
 
 
 def quantize_checkpoint(src: Path, dst: Path, fmt_name: str, skip=DEFAULT_SKIP) -> dict:

@@ -52,7 +52,26 @@ class Fp4Weight:
         return self.packed.numel() + self.scales.numel() + 4 * self.row_scales.numel()
 
 
-class Fp4Linear(nn.Module):
+class BlockLinear(nn.Module):
+    """A linear layer over a weight held in parts (codes, block scales, ...) kept as buffers,
+    run by a kernel chosen in `prepare_cpu` (`_kernel`) or by its PyTorch reference."""
+
+    def __init__(self, parts: dict[str, torch.Tensor | None], bias, path: LinearPath):
+        super().__init__()
+        for name, t in parts.items():
+            self.register_buffer(name, t, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = next(iter(parts.values())).shape[0]
+        self.path = path
+        self._kernel = None
+        self.matrix: torch.Tensor | None = None  # dequantized bf16, for prompt rows in oneDNN
+
+    def _bias_to(self, compute_dtype: torch.dtype) -> None:
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
+
+
+class Fp4Linear(BlockLinear):
     """y = x W^T + b with W stored as FP4.
 
     On CPUs with AVX2 every batch runs the kernel in kernels/fp4_cpu.cpp, which expands codes
@@ -63,16 +82,9 @@ class Fp4Linear(nn.Module):
     kernels are tested against."""
 
     def __init__(self, weight: Fp4Weight, bias: torch.Tensor | None = None):
-        super().__init__()
+        parts = {"packed": weight.packed, "scales": weight.scales, "row_scales": weight.row_scales}
+        super().__init__(parts, bias, LinearPath.FP4_DEQUANTIZE)
         self.fmt = weight.fmt
-        self.register_buffer("packed", weight.packed, persistent=False)
-        self.register_buffer("scales", weight.scales, persistent=False)
-        self.register_buffer("row_scales", weight.row_scales, persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.out_features = weight.packed.shape[0]
-        self.path = LinearPath.FP4_DEQUANTIZE
-        self._kernel = None
-        self.matrix: torch.Tensor | None = None  # dequantized bf16, for prompt rows in oneDNN
 
     @property
     def weight_fp4(self) -> Fp4Weight:
@@ -83,8 +95,7 @@ class Fp4Linear(nn.Module):
         for prompt rows in oneDNN's matmul (kernels/linear_choice.py)."""
         from expresslane.kernels import cpu_kernels
 
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)
+        self._bias_to(compute_dtype)
         self.path = fp4_path(compute_dtype)
         if self.path is LinearPath.FP4_W4A8:
             self._kernel = cpu_kernels().fp4_linear
