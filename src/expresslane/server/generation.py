@@ -50,11 +50,13 @@ def with_model_defaults(body, defaults: dict):
 
 def make_params(names: dict[str, str], body=None, **kwargs) -> SamplingParams:
     """SamplingParams from the body's shared sampling fields plus the non-None keyword
-    arguments; errors name the API's fields."""
+    arguments; errors name the API's fields. `max_tokens=None` is kept: no limit but the
+    context (Chat's and Responses' default), not SamplingParams' 16."""
     if body is not None:
         kwargs = {**{f: getattr(body, f) for f in SHARED_SAMPLING_FIELDS}, **kwargs}
     try:
-        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+        given = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
+        return SamplingParams(**given)
     except ExpresslaneError as e:
         raise from_engine_error(e, names) from e
 
