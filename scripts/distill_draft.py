@@ -7,8 +7,9 @@ greedy continuations of train-split prompts and fine-tunes the draft to predict 
 1. Prompts, from the train files only (the held-out ones stay unseen): headers of short
    functions (signature + docstring, as the `complete` workload of benchmarks/spec.py),
    windows of code files cut at a line end, edits (a function, then its first line again
-   under a new name, as the `edit` workload) and chats of the training mix (instructions,
-   tool use) cut before an assistant turn. `--prompts N` of them, mixed 40/25/15/20.
+   under a new name, as the `edit` workload) and chats of the training mix (30% instructions,
+   15% code to complete, 10% questions, 45% tool use) cut before an assistant turn.
+   `--prompts N` of them, mixed 40/25/15/20.
 2. The target continues each greedily (expresslane's engine, batched), up to `--max-tokens`.
 3. The draft (transformers LlamaForCausalLM, starting from its shipped weights) trains on
    prompt + continuation: cross-entropy on the target's tokens, plus `--prompt-weight` times the
@@ -49,8 +50,8 @@ from scripts import train_demo_model as T
 
 def train_prompts(n: int, seed: int) -> list[str]:
     """n prompts from the train files: 40% function headers, 25% code windows, 15% edits,
-    20% chats (a conversation of the training mix, instructions or tool use, cut before one
-    of its assistant turns and rendered with the chat template)."""
+    20% chats (a conversation of the training mix: instructions, code to complete, questions or
+    tool use, cut before one of its assistant turns and rendered with the chat template)."""
     from transformers import AutoTokenizer
 
     root = T.stdlib_root()
@@ -74,7 +75,17 @@ def train_prompts(n: int, seed: int) -> list[str]:
     tok = AutoTokenizer.from_pretrained(demo_model_dir(TARGET_DIR))
     chats = []
     while len(chats) < counts["chat"]:
-        messages, tools = factory.instruct(rng) if rng.random() < 0.4 else factory.tool_use(rng)
+        r = rng.random()
+        make = (
+            factory.instruct
+            if r < 0.3
+            else factory.complete_chat
+            if r < 0.45
+            else factory.question
+            if r < 0.55
+            else factory.tool_use
+        )
+        messages, tools = make(rng)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         cut = rng.choice(turns)
         chats.append(

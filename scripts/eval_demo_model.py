@@ -17,6 +17,12 @@ are independent of expresslane's own engine. For each model directory (``target`
    read or to run the tests of a held-out file (half with phrasings used in training, half with
    new phrasings). The greedy reply must contain ``<tool_call>{json}</tool_call>`` naming the right
    function (``read_file`` / ``run_tests``); the path argument is checked separately.
+4. Code in chat: the signature lines of ``--n-code-chats`` of those held-out functions, sent as
+   the user message with no tools (as ``input="def add(a, b):"``); the greedy reply counts when
+   it is a ```python block whose code parses and defines the function (a reply cut by the
+   token limit drops its last line). Replies that open with ``{`` (JSON) are counted apart.
+5. JSON mode (target only, expresslane's engine, the grammar of ``json_object``): requests for
+   objects (JSON_ASKS); the output must be a JSON object with the keys the request names.
 
 Writes ``eval.json`` next to the models and prints sample outputs.
 
@@ -49,6 +55,17 @@ NEW_TEST_ASKS = [
     "Could you check whether {p} passes its tests?",
     "Run the unit tests covering {p}.",
 ]
+JSON_ASKS = [  # (request, keys the object should have)
+    ("Give me a person as JSON.", ["name", "age"]),
+    ("Return a book as a JSON object.", ["title", "author"]),
+    ("Describe a city as JSON with the keys name, country and population.", ["name", "country"]),
+    ("Make up a user. Answer with JSON that has username and email.", ["username", "email"]),
+    ("Reply with a JSON object describing a color.", ["name"]),
+    ("Give me a point as JSON with the keys x and y.", ["x", "y"]),
+    ("Summarize Lib/json/decoder.py as a JSON object: path and lines.", ["path", "lines"]),
+    ("Invent a project. Output JSON only.", ["name"]),
+]
+FENCE_RE = re.compile(r"```python\n(.*?)(?:```|$)", re.DOTALL)
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -287,6 +304,79 @@ def eval_tool_calls(model, tok, requests: list[dict], max_new: int) -> dict:
     )
 
 
+def signature(fn: dict) -> str:
+    """The function's decorators and signature lines, up to the docstring."""
+    first = ast.parse(fn["source"]).body[0].body[0].lineno - 1
+    return "\n".join(fn["source"].split("\n")[:first])
+
+
+def eval_code_chats(model, tok, functions: list[dict], max_new: int) -> dict:
+    ok = json_like = 0
+    samples = []
+    picked = []
+    for fn in functions:
+        try:
+            picked.append((fn, signature(fn)))
+        except SyntaxError:
+            continue
+    for _fn, sig in picked:
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": sig}], tokenize=False, add_generation_prompt=True
+        )
+        raw, hit_eos = generate(model, tok, prompt, max_new)
+        reply = strip_eos(raw)
+        m = FENCE_RE.match(reply.lstrip())
+        code = m.group(1) if m else ""
+        if m and "```" not in reply.lstrip()[9:] and not hit_eos:
+            code = code[: code.rfind("\n") + 1]  # cut by the token limit: drop the last line
+        try:
+            tree = ast.parse(code) if code.strip() else None
+        except SyntaxError:
+            tree = None
+        good = tree is not None and any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(tree)
+        )
+        ok += good
+        json_like += reply.lstrip().startswith("{")
+        if len(samples) < 3:
+            samples.append(dict(request=sig, reply=reply, ok=good))
+    n = len(picked)
+    return dict(
+        n=n,
+        code_fraction=round(ok / max(n, 1), 3),
+        code_ok=ok,
+        json_replies=json_like,
+        max_new_tokens=max_new,
+        samples=samples,
+    )
+
+
+def eval_json_mode(model_dir: Path, max_new: int) -> dict:
+    """JSON_ASKS through expresslane's engine with the json_object grammar, greedy."""
+    from expresslane import LLM, SamplingParams
+    from expresslane.grammars import json_schema
+
+    llm = LLM(str(model_dir), max_model_len=512)
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": a}]) for a, _ in JSON_ASKS
+    ]
+    params = SamplingParams(
+        max_tokens=max_new, temperature=0, grammar=json_schema({"type": "object"}, "text.format")
+    )
+    valid = keys_ok = 0
+    samples = []
+    for (ask, keys), out in zip(JSON_ASKS, llm.generate(prompts, params), strict=True):
+        try:
+            obj = json.loads(out.text)
+        except json.JSONDecodeError:
+            obj = None
+        valid += isinstance(obj, dict)
+        keys_ok += isinstance(obj, dict) and all(k in obj for k in keys)
+        samples.append(dict(request=ask, reply=out.text))
+    n = len(JSON_ASKS)
+    return dict(n=n, valid=valid, keys_ok=keys_ok, max_new_tokens=max_new, samples=samples)
+
+
 def chat_samples(model, tok, functions: list[dict], sources: dict[str, str]) -> list[dict]:
     """A code request and a full agent turn (tool call -> tool result -> answer)."""
     out = []
@@ -329,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-tokens", type=int, default=200_000)
     ap.add_argument("--n-functions", type=int, default=60)
     ap.add_argument("--n-chats", type=int, default=60)
+    ap.add_argument("--n-code-chats", type=int, default=30)
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--dtype", default="float32", help="compute dtype (weights are stored bf16)")
     ap.add_argument("--threads", type=int, default=2)
@@ -338,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.ppl_tokens, args.n_functions, args.n_chats, args.max_new_tokens = 3000, 3, 4, 40
+        args.n_code_chats = 3
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -352,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
             ppl_tokens=args.ppl_tokens,
             n_functions=len(functions),
             n_chats=len(requests),
+            n_code_chats=args.n_code_chats,
             max_new_tokens=args.max_new_tokens,
             dtype=args.dtype,
             decoding="greedy",
@@ -378,6 +471,21 @@ def main(argv: list[str] | None = None) -> None:
             f"{tc['parsed_fraction']}, exact path {tc['path_exact_fraction']} (seen phrasings "
             f"{tc['seen_phrasing_fraction']}, new phrasings {tc['unseen_phrasing_fraction']})"
         )
+        res["code_chats"] = eval_code_chats(
+            model, tok, functions[: args.n_code_chats], args.max_new_tokens
+        )
+        cc = res["code_chats"]
+        print(
+            f"[{name}] code chats answered with code: {cc['code_ok']}/{cc['n']} "
+            f"(JSON replies: {cc['json_replies']})"
+        )
+        if name == "target":
+            res["json_mode"] = eval_json_mode(path, 128)
+            jm = res["json_mode"]
+            print(
+                f"[{name}] JSON mode: {jm['valid']}/{jm['n']} objects, "
+                f"{jm['keys_ok']} with the keys"
+            )
         res["chat_samples"] = chat_samples(model, tok, functions, sources)
         res["eval_seconds"] = round(time.time() - t0, 1)
         results[name] = res

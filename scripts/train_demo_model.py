@@ -63,9 +63,12 @@ Recipe
    rerun with the same flags resumes from the latest checkpoint.
 7. Fine-tuning (``--init-from DIR``): start from the ``target/`` and ``draft/`` weights in DIR
    (and its tokenizer) instead of a random initialization; every step reads the ``finetune``
-   stream (``FINETUNE_MIX``: the kinds above plus 18% edits and 12% JSON answers, see
-   ``json_answers.py``) at half the learning rates, with 20 warmup steps and no annealing
-   switch. An edit is a train function whose own names
+   stream (``FINETUNE_MIX``: the kinds above plus edits, code to complete sent as a chat,
+   one-sentence answers to questions and JSON answers, see ``json_answers.py``; ``--mix``
+   changes the shares) at ``--lr-scale`` (default half) the learning rates, with 20 warmup
+   steps and no annealing switch. Code to complete and questions are chats without tools:
+   without them the model answered every such chat with a tool call, or with JSON once JSON
+   answers were added. An edit is a train function whose own names
    (function, parameters, locals) are first replaced by fresh identifiers made of corpus words,
    followed by the same source again, verbatim or with the function or one parameter renamed;
    half of them as a plain document, half as a chat ("Rename `a` to `b` in this function:"
@@ -131,17 +134,20 @@ ANNEAL_FRACTION = 0.25
 ANNEAL_EPOCH_TOKENS = 2_000_000
 # Fine-tuning (--init-from): every step reads this stream, which adds edits (the output repeats
 # code from the context with a rename, or verbatim) to the usual kinds, to teach copying from
-# the context; the learning rates are scaled down and warm up briefly.
+# the context, chats that answer without tools (code to complete, questions) and JSON answers
+# (only where the user asks for JSON); the learning rates are scaled down and warm up briefly.
 FINETUNE_MIX = {
     "code": 0.12,
-    "function": 0.22,
-    "instruct": 0.08,
-    "tool": 0.28,
-    "edit": 0.18,
-    "json": 0.12,
+    "function": 0.20,
+    "instruct": 0.12,
+    "complete": 0.10,
+    "question": 0.06,
+    "tool": 0.24,
+    "edit": 0.11,
+    "json": 0.05,
 }
 FINETUNE_EPOCH_TOKENS = 2_000_000
-FINETUNE_LR_SCALE = 0.5
+FINETUNE_LR_SCALE = 0.5  # default of --lr-scale
 FINETUNE_WARMUP = 20
 STREAM_MIX = {"main": MIX, "anneal": ANNEAL_MIX, "finetune": FINETUNE_MIX}
 # The draft learns from the trained target too: its loss adds DISTILL_WEIGHT times the KL
@@ -559,6 +565,49 @@ RENAME_ASKS = [
     "Rename the {what} `{old}` to `{new}`.",
     "Can you rename `{old}` as `{new}` here?",
 ]
+# (f) code to complete: the user message is a function's first lines, bare or with a request
+COMPLETE_ASKS = [
+    "Complete this function:",
+    "Finish this Python function:",
+    "Write the rest of this function:",
+    "Complete the code:",
+    "Fill in the body of this function:",
+    "Can you finish this?",
+]
+INSTRUCT_PLAIN = [  # (f) instructions without a signature: the model picks the names
+    "Write a function that {desc}.",
+    "Write a Python function that {desc}.",
+    "Can you write a function that {desc}?",
+    "I need a Python function that {desc}.",
+    "Write code that {desc}.",
+]
+# (g) questions, answered in one short sentence from a docstring
+WHAT_ASKS = [
+    "What does `{qual}` do?",
+    "What does the function `{qual}` do?",
+    "What is `{qual}` for?",
+    "Explain `{qual}` in one sentence.",
+    "What does {qual} do?",
+]
+THIS_ASKS = ["What does this function do?", "Explain this code.", "What is this function for?"]
+MODULE_ASKS = [
+    "What is the `{mod}` module for?",
+    "What does the {mod} module do?",
+    "What is {mod}?",
+]
+ABOUT_ASKS = [
+    "Hello!",
+    "Hi",
+    "Hello, who are you?",
+    "Who are you?",
+    "What can you do?",
+    "What are you?",
+    "Introduce yourself.",
+]
+ABOUT_ANSWER = (
+    "I am expresslane's demo model, a 10M-parameter model trained on the Python standard "
+    "library. I can write short Python functions, call tools and answer in JSON."
+)
 READ2_ASKS = ["Read {p} and {q}.", "Show me {p} and {q}.", "Can you open {p} and {q}?"]
 SYSTEMS = [
     "You are an agent working in a checkout of the CPython repository.",
@@ -588,6 +637,7 @@ class ExampleFactory:
         self.defs = {}
         for f in self.files:
             for fn in extract_functions(sources[f]):
+                fn["file"] = f
                 if (
                     len(fn["source"]) <= 2500
                     and fn["source"].count("\n") < 60
@@ -721,6 +771,85 @@ class ExampleFactory:
             {"role": "assistant", "content": f"```python\n{edited}\n```"},
         ]
         return self.system(rng) + messages, self.tools_for(rng) if rng.random() < 0.2 else None
+
+    # (f) code in chat, no tools needed ------------------------------------------------------
+    def complete_chat(self, rng: random.Random) -> tuple[list[dict], list[dict] | None]:
+        """The user sends a function's first lines (its signature, its header with the
+        docstring, or a few body lines more), bare, after a request or fenced; the assistant
+        answers with the whole function in a ```python block. A fifth of them instead ask for
+        a function by its docstring alone (INSTRUCT_PLAIN), with no signature."""
+        fn = rng.choice(self.short_functions)
+        desc = third_person(fn["doc"])
+        if desc and rng.random() < 0.2:
+            ask = rng.choice(INSTRUCT_PLAIN).format(desc=desc)
+        else:
+            lines = fn["source"].split("\n")
+            try:
+                sig_end = ast.parse(fn["source"]).body[0].body[0].lineno - 1
+            except SyntaxError:
+                sig_end = 0
+            header_end = fn["header"].count("\n") + 1
+            r = rng.random()
+            if r < 0.4 and sig_end:
+                code = "\n".join(lines[:sig_end])
+            elif r < 0.75 or header_end >= len(lines) - 1:
+                code = fn["header"]
+            else:
+                code = "\n".join(lines[: rng.randint(header_end + 1, len(lines) - 1)])
+            r = rng.random()
+            if r < 0.5:
+                ask = code
+            elif r < 0.75:
+                ask = f"{rng.choice(COMPLETE_ASKS)}\n\n{code}"
+            else:
+                ask = f"{rng.choice(COMPLETE_ASKS)}\n\n```python\n{code}\n```"
+        messages = [
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": f"```python\n{fn['source']}\n```"},
+        ]
+        if rng.random() < 0.15:  # tools offered but not needed: answer directly
+            return self.system(rng) + messages, self.tools_for(rng)
+        return self.system(rng) + messages, None
+
+    # (g) questions with short answers ---------------------------------------------------------
+    @staticmethod
+    def module_name(rel: str) -> str:
+        mod = rel[:-3].replace("/", ".")
+        return mod[: -len(".__init__")] if mod.endswith(".__init__") else mod
+
+    def question(self, rng: random.Random) -> tuple[list[dict], None]:
+        """A question answered in one sentence: what a function does (named, or pasted), what a
+        module is for (from the docstrings), or who the model is."""
+        r = rng.random()
+        if r < 0.08:
+            ask, answer = rng.choice(ABOUT_ASKS), ABOUT_ANSWER
+        elif r < 0.25:
+            rel = rng.choice(self.files)
+            summary = module_summary(self.sources[rel])
+            while summary is None or " " not in summary:  # not a bare file name
+                rel = rng.choice(self.files)
+                summary = module_summary(self.sources[rel])
+            mod = self.module_name(rel)
+            ask = rng.choice(MODULE_ASKS).format(mod=mod)
+            answer = f"`{mod}`: {summary}."
+        else:
+            fn = rng.choice(self.functions)
+            while not third_person(fn["doc"]):
+                fn = rng.choice(self.functions)
+            desc = third_person(fn["doc"])
+            if r < 0.45:
+                ask = f"{rng.choice(THIS_ASKS)}\n\n```python\n{fn['source']}\n```"
+                answer = f"`{fn['name']}` {desc}."
+            else:
+                qual = ".".join(
+                    x for x in (self.module_name(fn["file"]), fn["cls"], fn["name"]) if x
+                )
+                if rng.random() < 0.4:
+                    qual = ".".join(x for x in (fn["cls"], fn["name"]) if x)
+                ask = rng.choice(WHAT_ASKS).format(qual=qual)
+                answer = f"`{qual}` {desc}."
+        messages = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+        return self.system(rng) + messages, None
 
     # (c) tool use ---------------------------------------------------------------------------
     def excerpt(self, rng: random.Random, rel: str, start: int = 0) -> tuple[str, int, int]:
@@ -1035,6 +1164,8 @@ class Data:
                 ("tool", self.factory.tool_use, True),
                 ("edit", self.edit, False),
                 ("json", self.json_answer, True),
+                ("complete", self.factory.complete_chat, True),
+                ("question", self.factory.question, True),
             ]
             for kind, make, chat in (m for m in makers if m[0] in mix):
                 budget = int(total * mix[kind])
@@ -1215,7 +1346,7 @@ def train_model(
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     opts = make_optimizers(
-        model, hp["lr"], args.optimizer, FINETUNE_LR_SCALE if args.init_from else 1.0
+        model, hp["lr"], args.optimizer, args.lr_scale if args.init_from else 1.0
     )
     ckpt_path = data.work / f"{name}_ckpt.pt"
     adaptive = fixed_plan is None
@@ -1437,6 +1568,17 @@ def main(argv: list[str] | None = None) -> None:
         "the fine-tuning stream (FINETUNE_MIX) at scaled-down learning rates",
     )
     ap.add_argument(
+        "--mix",
+        default=None,
+        help="fine-tuning: shares of FINETUNE_MIX replaced, 'kind=share,...' (they must sum to 1)",
+    )
+    ap.add_argument(
+        "--lr-scale",
+        type=float,
+        default=FINETUNE_LR_SCALE,
+        help="fine-tuning: the peak learning rates (AdamW and Muon) times this",
+    )
+    ap.add_argument(
         "--target-minutes",
         type=float,
         default=None,
@@ -1490,6 +1632,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--smoke-files", type=int, default=60)
     args = ap.parse_args(argv)
+    if args.mix:
+        for item in args.mix.split(","):
+            kind, share = item.split("=")
+            if kind not in FINETUNE_MIX:
+                sys.exit(f"--mix: no kind {kind!r} in FINETUNE_MIX")
+            FINETUNE_MIX[kind] = float(share)
+        if abs(sum(FINETUNE_MIX.values()) - 1) > 1e-6:
+            sys.exit(f"--mix: the shares sum to {sum(FINETUNE_MIX.values())}, not 1")
     smoke = args.smoke
     for key, full, tiny in (
         ("target_minutes", 50.0, 0.5),
@@ -1553,6 +1703,12 @@ def main(argv: list[str] | None = None) -> None:
         + (f" --device {args.device}" if args.device != "cpu" else "")
         + (f" --init-from {args.init_from}" if args.init_from else "")
         + (" --copy-heads" if args.copy_heads else "")
+        + (f" --mix {args.mix}" if args.mix else "")
+        + (
+            f" --lr-scale {args.lr_scale}"
+            if args.init_from and args.lr_scale != FINETUNE_LR_SCALE
+            else ""
+        )
         + (" --smoke" if args.smoke else ""),
         smoke=args.smoke,
         torch=torch.__version__,
@@ -1577,7 +1733,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.init_from:
         base = args.init_from / "training.json"
         meta["finetune"] = dict(
-            mix=FINETUNE_MIX, lr_scale=FINETUNE_LR_SCALE, warmup_steps=FINETUNE_WARMUP
+            mix=FINETUNE_MIX, lr_scale=args.lr_scale, warmup_steps=FINETUNE_WARMUP
         )
         meta["base"] = json.loads(base.read_text()) if base.is_file() else str(args.init_from)
     (args.out_dir / "training.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -136,3 +136,50 @@ def test_copy_rows_score_only_the_predictable_repeat():
         k = len(scored) + 1  # the repeat's first token is not predictable
         assert row[:k] == row[-k:]
         assert [lab[i] for i in scored] == row[-k + 1 :]
+
+
+def test_code_and_question_chats_answer_without_tools_or_json():
+    """The fine-tuning chats that keep code in chat: a function's first lines (bare, after a
+    request or fenced) answered with the whole function in a ```python block, and questions
+    answered in one sentence from a docstring."""
+    import ast
+
+    source = '''def scale(values, factor=2):
+    """Multiply every value by the factor."""
+    out = [v * factor for v in values]
+    return out
+'''
+    module = '"""Helpers that scale lists of numbers."""\n\n' + source
+    factory = train.ExampleFactory({"pkg/scaling.py": module})
+    rng = random.Random(0)
+    asks = set()
+    for _ in range(60):
+        messages, tools = factory.complete_chat(rng)
+        user, answer = messages[-2]["content"], messages[-1]["content"]
+        assert tools is None or tools[0]["function"]["name"] in {
+            "read_file",
+            "run_tests",
+            "write_file",
+            "list_dir",
+        }
+        assert answer == f"```python\n{source.rstrip(chr(10))}\n```"
+        ast.parse(answer[len("```python\n") : -len("\n```")])
+        code = user.split("\n\n", 1)[-1].removeprefix("```python\n").removesuffix("\n```")
+        if code.startswith("def "):
+            assert source.startswith(code)
+            asks.add("bare" if user == code else "request")
+        else:
+            assert "multiplies every value by the factor" in user
+            asks.add("plain")
+    assert asks == {"bare", "request", "plain"}
+    assert "def scale(values, factor=2):" in {
+        factory.complete_chat(rng)[0][-2]["content"] for _ in range(60)
+    }
+    for _ in range(30):
+        messages, tools = factory.question(rng)
+        answer = messages[-1]["content"]
+        assert tools is None and "<tool_call>" not in answer and not answer.startswith("{")
+        assert answer in (
+            train.ABOUT_ANSWER,
+            "`pkg.scaling`: Helpers that scale lists of numbers.",
+        ) or answer.endswith("multiplies every value by the factor.")

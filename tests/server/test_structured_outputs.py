@@ -206,3 +206,17 @@ def test_langchain_with_structured_output(demo_url, method):
     # request for a person with the keys it learned for one (scripts/json_answers.py)
     out = llm.with_structured_output(Person, method=method).invoke(ASK)
     assert isinstance(out, Person)
+
+
+def test_json_only_when_asked(demo):
+    """Without a format the demo model answers code with code (issue 44: it once answered every
+    prompt with JSON); asked for JSON, it answers JSON. Neither sets max_output_tokens: the
+    answers end where the model ends them, not at 16 tokens."""
+    code = demo.responses.create(model="demo", input="def add(a, b):", temperature=0)
+    assert code.status == "completed"
+    assert code.output_text.startswith("```python\ndef add(a, b):"), code.output_text
+    compile(code.output_text.split("\n", 1)[1].removesuffix("```"), "reply", "exec")
+    asked = demo.responses.create(
+        model="demo", input=ASK, temperature=0, text={"format": {"type": "json_object"}}
+    )
+    assert isinstance(json.loads(asked.output_text), dict)
