@@ -24,13 +24,21 @@ def _is_int(value) -> bool:
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     if not _is_int(value) or value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise InvalidRequestError(f"{name} must be an integer {bound}, got {value!r}", param=name)
+        raise InvalidRequestError(
+            "{" + name + "} must be an integer {bound}, got {value}",
+            param=name,
+            values={"bound": bound, "value": repr(value)},
+        )
 
 
 def _check_real(name: str, value, ok, bound: str) -> None:
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not real or not math.isfinite(value) or not ok(value):
-        raise InvalidRequestError(f"{name} must be {bound}, got {value!r}", param=name)
+        raise InvalidRequestError(
+            "{" + name + "} must be {bound}, got {value}",
+            param=name,
+            values={"bound": bound, "value": repr(value)},
+        )
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,9 @@ class SamplingParams:
         _check_real("top_p", self.top_p, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(
-                f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k!r}",
+                "{top_k} must be -1 or 0 (disabled) or a positive count, got {value}",
                 param="top_k",
+                values={"value": repr(self.top_k)},
             )
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
@@ -102,20 +111,23 @@ class SamplingParams:
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
-                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                "at most {most} {stop} strings are allowed, got {got}",
                 param="stop",
+                values={"most": MAX_STOP_STRINGS, "got": len(self.stop)},
             )
         for s in self.stop:
             if not isinstance(s, str) or len(s) > MAX_STOP_CHARS:
                 raise InvalidRequestError(
-                    f"each stop string must be a string of at most {MAX_STOP_CHARS} characters",
+                    "each {stop} string must be a string of at most {most} characters",
                     param="stop",
+                    values={"most": MAX_STOP_CHARS},
                 )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(
-                    f"stop_token_ids must be non-negative token ids, got {t!r}",
+                    "{stop_token_ids} must be non-negative token ids, got {value}",
                     param="stop_token_ids",
+                    values={"value": repr(t)},
                 )
 
     def _check_logit_controls(self) -> None:
@@ -131,12 +143,15 @@ class SamplingParams:
             self.logit_bias = None
             return
         if not isinstance(self.logit_bias, dict):
-            raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+            raise InvalidRequestError(
+                "{logit_bias} must map token ids to biases", param="logit_bias", values={}
+            )
         for t, bias in self.logit_bias.items():
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(
-                    f"logit_bias keys must be non-negative token ids, got {t!r}",
+                    "{logit_bias} keys must be non-negative token ids, got {value}",
                     param="logit_bias",
+                    values={"value": repr(t)},
                 )
             _check_real(
                 "logit_bias", bias, lambda v: -100.0 <= v <= 100.0, "a map to biases in [-100, 100]"

@@ -217,9 +217,9 @@ class RecordingEngine(AsyncEngine):
         super().__init__(engine)
         self.prompts: list = []
 
-    def make_request(self, prompt, *args, **kwargs):
-        self.prompts.append(prompt)
-        return super().make_request(prompt, *args, **kwargs)
+    def make_request(self, sub):
+        self.prompts.append(sub.prompt)
+        return super().make_request(sub)
 
 
 @pytest.fixture(scope="session")

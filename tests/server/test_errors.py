@@ -227,7 +227,7 @@ def test_internal_error_hides_details(tool_server, tool_engine, monkeypatch):
     def bug(*args, **kwargs):  # an unexpected exception inside the real engine (a bug)
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(tool_engine.engine, "make_request", bug)
+    monkeypatch.setattr(tool_engine.engine.factory, "make", bug)
     r = httpx.post(
         tool_server.url + "/v1/chat/completions",
         json={"model": "llama", "messages": [{"role": "user", "content": "x"}]},

@@ -264,3 +264,39 @@ def test_requests_the_engine_never_starts_get_429_queue_timeout(llama_dir):
         assert not engine.engine.requests and engine.engine.kv.num_used_blocks == 0
     finally:
         engine.shutdown()
+
+
+def test_max_output_tokens_holds_for_every_endpoint(engine):
+    """A rule for every request (`admission.check_request`), written once: no endpoint may ask
+    for more output tokens than `max_output_tokens`; each error names the endpoint's field."""
+    settings = ServerSettings(store_path=":memory:", max_output_tokens=20)
+    asks = [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}]},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x"}, "max_tokens"),
+        ("/v1/responses", {"input": "x"}, "max_output_tokens"),
+    ]
+    with ServerThread(create_app(engine, settings)) as srv:
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        for path, body, field in asks:
+            r = httpx.post(srv.url + path, json={"model": model, **body, field: 21})
+            err = check(r, 400, param=field)
+            assert f"{field} (21) is more than this server's limit of 20" in err["message"], err
+        at_most = {"input": "x", "ignore_eos": True, "max_output_tokens": 20}
+        r = httpx.post(srv.url + "/v1/responses", json=at_most)
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 20, r.text
+
+        async def over_websocket():
+            url = srv.url.replace("http", "ws") + "/v1/responses"
+            async with websockets.connect(url) as ws:
+                create = {"type": "response.create", "input": "x", "max_output_tokens": 21}
+                await ws.send(json.dumps(create))
+                event = json.loads(await ws.recv())
+                assert event["type"] == "error" and event["status"] == 400, event
+                assert event["error"]["param"] == "max_output_tokens"
+
+        asyncio.run(over_websocket())

@@ -41,27 +41,36 @@ def check_params(
         )
     if params.max_tokens is not None and params.max_tokens > room:
         raise ContextLengthExceeded(
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-            f"this model's context of {max_model_len} tokens; lower max_tokens to at most {room}",
+            "the prompt ({prompt} tokens) plus {max_tokens} ({asked}) exceeds this model's "
+            "context of {context} tokens; lower {max_tokens} to at most {room}",
             param="max_tokens",
+            values={
+                "prompt": prompt_len,
+                "asked": params.max_tokens,
+                "context": max_model_len,
+                "room": room,
+            },
         )
     if params.min_tokens > room:
         raise InvalidRequestError(
-            f"min_tokens ({params.min_tokens}) is more than the {room} tokens this model's "
-            "context leaves after the prompt; lower min_tokens",
+            "{min_tokens} ({asked}) is more than the {room} tokens this model's context leaves "
+            "after the prompt; lower {min_tokens}",
             param="min_tokens",
+            values={"asked": params.min_tokens, "room": room},
         )
     bad = [t for t in params.stop_token_ids if t >= vocab]
     if bad:
         raise InvalidRequestError(
-            f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}",
+            "{stop_token_ids} must be token ids in [0, {vocab}), got {value}",
             param="stop_token_ids",
+            values={"vocab": vocab, "value": bad[0]},
         )
     bad = [t for t in params.logit_bias or () if t >= vocab]
     if bad:
         raise InvalidRequestError(
-            f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}",
+            "{logit_bias} keys must be token ids in [0, {vocab}), got {value}",
             param="logit_bias",
+            values={"vocab": vocab, "value": bad[0]},
         )
     if params.top_k >= vocab:
         params = dataclasses.replace(params, top_k=0)

@@ -22,6 +22,7 @@ from expresslane.engine.engine import LLMEngine
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.engine.submission import Submission
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
@@ -116,26 +117,14 @@ class AsyncEngine:
         """Requests of this lane submitted and not finished yet."""
         return self._lane_load.get(lane, 0)
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        lane: str = "default",
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
-    ) -> RequestStream:
-        """Validate and enqueue; must be called from a running event loop."""
-        return self.enqueue(
-            self.make_request(
-                prompt, params, request_id, lane, add_special_tokens, cache_salt=cache_salt
-            )
-        )
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Validate and enqueue a default-lane request; must be called from a running event
+        loop (a shorthand for `enqueue(make_request(Submission(prompt, params)))`)."""
+        return self.enqueue(self.make_request(Submission(prompt, params)))
 
-    def make_request(self, *args, **kwargs) -> Request:
-        """Validate and tokenize without enqueuing (raises InvalidRequestError); the
-        arguments of `LLMEngine.make_request`, `cache_salt` included."""
-        return self.engine.make_request(*args, **kwargs)
+    def make_request(self, sub: Submission) -> Request:
+        """Validate and tokenize without enqueuing (raises InvalidRequestError)."""
+        return self.engine.factory.make(sub)
 
     def check_placement(self, tier: str, regions: list[str] | None) -> None:
         """One process serves every tier it has wherever its key may be served."""
@@ -156,12 +145,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
-
-    async def generate(
-        self, prompt, params: SamplingParams, **kwargs
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in self.submit(prompt, params, **kwargs):
-            yield out
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort whatever is in flight and stop the loop thread."""

@@ -23,6 +23,7 @@ from expresslane.engine.runner import CacheConfig, ModelRunner, kv_bytes_per_blo
 from expresslane.engine.scheduler import ScheduledBatch, Scheduler
 from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
 from expresslane.engine.step_model import StepLatencyModel
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
 from expresslane.model_source import resolve_model
@@ -177,9 +178,11 @@ class LLMEngine:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenize (`RequestFactory.make`); touches no engine state, so it is
-        safe to call from another thread."""
-        return self.factory.make(prompt, params, request_id, lane, add_special_tokens, cache_salt)
+        """Validate and tokenize the `Submission` of these fields (`RequestFactory.make`, for
+        offline callers); touches no engine state, so it is safe to call from another
+        thread."""
+        sub = Submission(prompt, params, request_id, lane, add_special_tokens, cache_salt)
+        return self.factory.make(sub)
 
     @property
     def grammars(self) -> GrammarMatchers:

@@ -10,6 +10,7 @@ from typing import Protocol
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.engine.submission import Submission
 from expresslane.lanes import Lane
 from expresslane.tokenizer import Tokenizer
 
@@ -38,9 +39,8 @@ class ServingEngine(Protocol):
         """SamplingParams fields from the model's generation config, for requests that do not
         set them (`request_factory.SAMPLING_DEFAULTS`)."""
 
-    def make_request(self, *args, **kwargs) -> Request:
-        """Validate and tokenize (raises InvalidRequestError), arguments of
-        `RequestFactory.make`."""
+    def make_request(self, sub: Submission) -> Request:
+        """Validate and tokenize (raises InvalidRequestError; `RequestFactory.make`)."""
 
     def check_placement(self, tier: str, regions: list[str] | None) -> None:
         """Raise (an APIError) when the tier cannot be served in any of the regions."""

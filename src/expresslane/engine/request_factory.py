@@ -14,10 +14,10 @@ from expresslane.engine.admission import check_params, tokenize
 from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.output import TextState
 from expresslane.engine.request import Request
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import Lane
 from expresslane.models.config import ModelConfig
-from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 _ids = itertools.count()
@@ -78,18 +78,9 @@ class RequestFactory:
             else None
         )
 
-    def make(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        lane: str = "default",
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """Validate and tokenize; raises InvalidRequestError. Requests share cached prompt
-        prefixes only with requests of the same `cache_salt` (None: with every request
-        without one)."""
+    def make(self, sub: Submission) -> Request:
+        """Validate and tokenize; raises InvalidRequestError."""
+        lane, cache_salt, request_id = sub.lane, sub.cache_salt, sub.request_id
         served = self.lanes.get(lane)
         if served is None or not served.enabled:
             enabled = [name for name, la in self.lanes.items() if la.enabled]
@@ -98,8 +89,8 @@ class RequestFactory:
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        ids, text = tokenize(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
-        params = check_params(params, len(ids), self.max_model_len, self.vocab_size)
+        ids, text = tokenize(self.tokenizer, self.vocab_size, sub.prompt, sub.add_special_tokens)
+        params = check_params(sub.params, len(ids), self.max_model_len, self.vocab_size)
         req = Request(
             request_id if request_id is not None else f"req-{next(_ids)}",
             ids,

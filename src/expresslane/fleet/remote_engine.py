@@ -22,6 +22,7 @@ from expresslane.engine.output import RequestOutput, merge_outputs
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.snapshot import EngineSnapshot
+from expresslane.engine.submission import Submission
 from expresslane.errors import ExpresslaneError
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.router import prefix_hashes
@@ -213,8 +214,8 @@ class FleetEngine:
             stream.cancel()
 
     # -- requests ----------------------------------------------------------------------------
-    def make_request(self, *args, **kwargs) -> Request:
-        return self.factory.make(*args, **kwargs)
+    def make_request(self, sub: Submission) -> Request:
+        return self.factory.make(sub)
 
     def pools_for(self, tier: str, regions: list[str] | None) -> list[PoolSpec]:
         """The pools a request of the tier may go to, best first: for flex, pools lending

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from expresslane.engine.output import merge_outputs
+from expresslane.engine.submission import Submission
 from expresslane.errors import ExpresslaneError
 from expresslane.fleet.load_board import report_loop
 
@@ -82,11 +83,13 @@ class EngineReplica:
         yield {"pool": self.pool, "replica": self.replica}
         try:
             req = self.engine.make_request(
-                call["prompt_token_ids"],
-                call["params"],
-                call["request_id"],
-                call["lane"],
-                cache_salt=call["cache_salt"],
+                Submission(
+                    call["prompt_token_ids"],
+                    call["params"],
+                    call["request_id"],
+                    call["lane"],
+                    cache_salt=call["cache_salt"],
+                )
             )
         except ExpresslaneError as e:
             yield e

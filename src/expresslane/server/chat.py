@@ -9,6 +9,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.server.admission import Admission, Built, Endpoint, admit_and_submit
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.chat_choice import Choice, chat_usage, check_finished
 from expresslane.server.errors import APIError, invalid
@@ -18,8 +19,6 @@ from expresslane.server.generation import (
     make_params,
     merged,
     openai_penalties,
-    submit_all,
-    with_model_defaults,
 )
 from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
@@ -29,32 +28,15 @@ from expresslane.server.state import ServerState, get_state
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
 router = APIRouter(route_class=StrictJSONRoute)
-NAMES = {"max_tokens": "max_completion_tokens", "prompt": "messages", "logprobs": "top_logprobs"}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     received = time.perf_counter()
     state: ServerState = get_state(request)
-    model = state.check_model(body.model)
-    body = with_model_defaults(body, state.engine.sampling_defaults)
-    chars = _validate(state, body)
-    ticket = state.admit(request, body.service_tier)
-    setup, prompt, params, names = await _build(state, body, chars)
-    cid = "chatcmpl-" + uuid.uuid4().hex
-    gens = await submit_all(
-        state,
-        [prompt] * len(params),
-        params,
-        ticket=ticket,
-        request_id=cid,
-        names=names,
-        received=received,
-        n=len(params),
-        chars=chars,
-        add_special_tokens=False,
-        cache_salt=body.cache_salt,
-    )
+    key = request.state.api_key  # set by AuthMiddleware
+    admitted = await admit_and_submit(state, body, CHAT, key=key, received=received, http=request)
+    body, gens, (cid, setup) = admitted.body, admitted.gens, admitted.built.extra
     choices = [
         Choice(
             i,
@@ -64,15 +46,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             bool(body.logprobs),
             body.parallel_tool_calls is not False,
         )
-        for i in range(len(params))
+        for i in range(len(gens))
     ]
     base = {
         "id": cid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": model,
+        "model": admitted.model,
         "system_fingerprint": None,
-        "service_tier": ticket.tier,
+        "service_tier": admitted.ticket.tier,
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -93,8 +75,14 @@ def _validate(state: ServerState, body: ChatCompletionRequest) -> int:
     return chars
 
 
-async def _build(state: ServerState, body: ChatCompletionRequest, chars: int):
-    """(tool setup, rendered prompt, one SamplingParams per choice, error field names)."""
+def _api(body: ChatCompletionRequest) -> str:
+    """Errors name max_tokens as the client sent it (`errors.API_FIELDS`)."""
+    return "chat" if body.max_tokens is None else "chat_max_tokens"
+
+
+async def _build(admission: Admission, body: ChatCompletionRequest) -> Built:
+    """Render the prompt, one request per choice; keeps (id, tool setup)."""
+    state = admission.state
     messages = chat_messages(body.messages)
     tools = [
         {
@@ -107,15 +95,14 @@ async def _build(state: ServerState, body: ChatCompletionRequest, chars: int):
     setup = _setup(state, body, tools)
     template = template_tools(tools) if setup.parser else None
     prompt = await off_loop(
-        lambda: render(state.tokenizer, messages, template, param="messages"), chars
+        lambda: render(state.tokenizer, messages, template, param="messages"), admission.chars
     )
     skip = body.skip_special_tokens
     if skip is None and setup.parser is not None and setup.parser.needs_special_tokens:
         skip = False
-    names = NAMES if body.max_tokens is None else {**NAMES, "max_tokens": "max_tokens"}
     params = [
         make_params(
-            names,
+            admission.api,
             body,
             max_tokens=body.max_completion_tokens or body.max_tokens,
             seed=None if body.seed is None else body.seed + i,
@@ -126,7 +113,12 @@ async def _build(state: ServerState, body: ChatCompletionRequest, chars: int):
         )
         for i in range(body.n or 1)
     ]
-    return setup, prompt, params, names
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    reqs = await admission.make_all([prompt] * len(params), params, cid, add_special_tokens=False)
+    return Built(reqs, len(params), (cid, setup))
+
+
+CHAT = Endpoint(_api, _validate, _build)
 
 
 async def _plain(request: Request, gens, choices: list[Choice], base: dict) -> Response:

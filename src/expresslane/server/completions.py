@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from expresslane.server.admission import Admission, Built, Endpoint, admit_and_submit
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid
 from expresslane.server.generation import (
@@ -18,8 +19,6 @@ from expresslane.server.generation import (
     make_params,
     merged,
     openai_penalties,
-    submit_all,
-    with_model_defaults,
 )
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
@@ -27,7 +26,6 @@ from expresslane.server.sse import DONE, event, sse_response
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
-NAMES = {"max_tokens": "max_tokens", "prompt": "prompt", "logprobs": "logprobs"}
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -152,7 +150,7 @@ def _choices_of(body: CompletionRequest, prompts: list, n: int, tok):
             echoes.append(echo)
             params.append(
                 make_params(
-                    NAMES,
+                    "completions",
                     body,
                     max_tokens=body.max_tokens,
                     seed=None if body.seed is None else body.seed + j,
@@ -165,31 +163,36 @@ def _choices_of(body: CompletionRequest, prompts: list, n: int, tok):
     return all_prompts, params, echoes
 
 
+def _check(state: ServerState, body: CompletionRequest) -> int:
+    """Checks before any work; the prompts' characters."""
+    _check_unsupported(body)
+    return _check_prompts(state, _prompts(body.prompt))
+
+
+async def _build(admission: Admission, body: CompletionRequest) -> Built:
+    """Every prompt n times, one request per choice; keeps (id, echoes)."""
+    n = body.n or 1
+    prompts = _prompts(body.prompt)
+    all_prompts, params, echoes = _choices_of(body, prompts, n, admission.state.tokenizer)
+    cid = "cmpl-" + uuid.uuid4().hex
+    reqs = await admission.make_all(all_prompts, params, cid, chars=admission.chars * n)
+    return Built(reqs, n, (cid, echoes))
+
+
+COMPLETIONS = Endpoint(lambda body: "completions", _check, _build)
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     received = time.perf_counter()
     state: ServerState = get_state(request)
-    model = state.check_model(body.model)
-    body = with_model_defaults(body, state.engine.sampling_defaults)
-    n = _check_unsupported(body)
-    prompts = _prompts(body.prompt)
-    chars = _check_prompts(state, prompts)
-    ticket = state.admit(request, body.service_tier)
-    tok = state.tokenizer
-    all_prompts, params, echoes = _choices_of(body, prompts, n, tok)
-    cid = "cmpl-" + uuid.uuid4().hex
-    gens = await submit_all(
-        state,
-        all_prompts,
-        params,
-        ticket=ticket,
-        request_id=cid,
-        names=NAMES,
-        received=received,
-        n=n,
-        chars=chars * n,
-        cache_salt=body.cache_salt,
+    key = request.state.api_key  # set by AuthMiddleware
+    admitted = await admit_and_submit(
+        state, body, COMPLETIONS, key=key, received=received, http=request
     )
+    body, gens, n = admitted.body, admitted.gens, admitted.built.n
+    cid, echoes = admitted.built.extra
+    tok = state.tokenizer
     with_logprobs = body.logprobs is not None
     echo_logprobs = body.echo and with_logprobs
     choices = [
@@ -200,9 +203,9 @@ async def completions(body: CompletionRequest, request: Request):
         "id": cid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": model,
+        "model": admitted.model,
         "system_fingerprint": None,
-        "service_tier": ticket.tier,  # not in OpenAI's legacy schema; echoed as in Chat
+        "service_tier": admitted.ticket.tier,  # not in OpenAI's legacy schema; echoed as in Chat
     }
 
     if body.stream:

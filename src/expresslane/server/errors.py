@@ -106,16 +106,28 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return APIError(404, message, param=param, code=code)
 
 
-def from_engine_error(e: ExpresslaneError, names: dict[str, str] | None = None) -> APIError:
-    """Map an engine error, renaming engine parameter names (max_tokens, prompt) to the
-    endpoint's own field names (max_output_tokens, input)."""
-    names = names or {}
+# Each API's names for the engine's request fields (SamplingParams' and the prompt), where
+# they differ: an engine error names the field as data (`ExpresslaneError.fields`), and the
+# client reads its own API's name, in `param` and in the message. One table for every API.
+API_FIELDS: dict[str, dict[str, str]] = {
+    "chat": {
+        "max_tokens": "max_completion_tokens",
+        "prompt": "messages",
+        "logprobs": "top_logprobs",
+    },
+    # Chat with its deprecated max_tokens: errors name the field the client sent
+    "chat_max_tokens": {"prompt": "messages", "logprobs": "top_logprobs"},
+    "completions": {},  # the engine's names are the Completions API's
+    "responses": {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"},
+}
+
+
+def from_engine_error(e: ExpresslaneError, api: str | None = None) -> APIError:
+    """Map an engine error, naming its fields (max_tokens, prompt) by the API's own names
+    (max_output_tokens, input for the Responses API)."""
+    names = API_FIELDS[api] if api is not None else {}
     param = names.get(e.param, e.param) if e.param else None
-    message = e.message
-    for engine_name, api_name in names.items():
-        if "_" in engine_name:  # an identifier such as max_tokens, safe to rename in text
-            message = message.replace(engine_name, api_name)
-    return APIError(e.status, message, param=param, code=e.code, type=e.type)
+    return APIError(e.status, e.text(names), param=param, code=e.code, type=e.type)
 
 
 # A 429 for a server too busy to take the request: come back in a second.

@@ -1,8 +1,5 @@
-"""One engine request as the server runs it: build sampling params, submit (bad input raises
-an `APIError` before anything is streamed), iterate outputs, record metrics, abort on demand.
-
-Engine parameter names are mapped back to the endpoint's field names in error messages
-(e.g. `max_tokens` -> `max_output_tokens` for the Responses API).
+"""One engine request as the server runs it: build sampling params, iterate outputs, record
+metrics, abort on demand. Requests are made and started by `admission.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +14,7 @@ from expresslane.engine.request import Request
 from expresslane.errors import ExpresslaneError
 from expresslane.sampling_params import SamplingParams
 from expresslane.server.accounts import Ticket
-from expresslane.server.errors import APIError, from_engine_error, invalid
-from expresslane.server.keys import LOCAL_OWNER
-from expresslane.server.limits import off_loop
+from expresslane.server.errors import from_engine_error, invalid
 from expresslane.server.sse import until_disconnected
 from expresslane.server.state import ServerState
 
@@ -48,17 +43,17 @@ def with_model_defaults(body, defaults: dict):
     return body.model_copy(update=update) if update else body
 
 
-def make_params(names: dict[str, str], body=None, **kwargs) -> SamplingParams:
+def make_params(api: str, body=None, **kwargs) -> SamplingParams:
     """SamplingParams from the body's shared sampling fields plus the non-None keyword
-    arguments; errors name the API's fields. `max_tokens=None` is kept: no limit but the
-    context (Chat's and Responses' default), not SamplingParams' 16."""
+    arguments; errors name the fields as the `api` does (`errors.API_FIELDS`). `max_tokens=None`
+    is kept: no limit but the context (Chat's and Responses' default), not SamplingParams' 16."""
     if body is not None:
         kwargs = {**{f: getattr(body, f) for f in SHARED_SAMPLING_FIELDS}, **kwargs}
     try:
         given = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
         return SamplingParams(**given)
     except ExpresslaneError as e:
-        raise from_engine_error(e, names) from e
+        raise from_engine_error(e, api) from e
 
 
 def openai_penalties(body) -> dict:
@@ -215,87 +210,6 @@ async def collect(request, gens: list[Generation], add: Callable[[int, RequestOu
         return False
     task.result()
     return True
-
-
-def prepare(
-    state: ServerState,
-    prompt: str | list[int],
-    params: SamplingParams,
-    *,
-    ticket: Ticket,
-    request_id: str,
-    names: dict[str, str],
-    add_special_tokens: bool = True,
-    cache_salt: str | None = None,
-) -> Request:
-    """Validate and tokenize one prompt for the ticket's lane; errors name the API's fields."""
-    try:
-        return state.engine.make_request(
-            prompt,
-            params,
-            request_id,
-            ticket.tier,
-            add_special_tokens,
-            cache_salt=prefix_salt(state, ticket, cache_salt),
-        )
-    except ExpresslaneError as e:
-        raise from_engine_error(e, names) from e
-
-
-def prefix_salt(state: ServerState, ticket: Ticket, cache_salt: str | None) -> str | None:
-    """Whose cached prefixes a request may reuse: with API keys only its owner's (a shared
-    prefix cache would let one tenant time another's prompts), unless `share_prefix_cache`
-    is set; within that, only requests with the same `cache_salt`. Open local mode shares."""
-    owner = ticket.owner
-    if owner == LOCAL_OWNER or state.settings.share_prefix_cache:
-        owner = None
-    parts = [part for part in (owner, cache_salt) if part is not None]
-    return "\x00".join(parts) if parts else None
-
-
-def start(
-    state: ServerState, reqs: list[Request], ticket: Ticket, received: float, n: int = 1
-) -> list[Generation]:
-    """Charge the rate limit for all the requests, then submit them all (or none). Requests
-    come in groups of `n` choices of the same prompt."""
-    estimates = [
-        (r.num_prompt_tokens if i % n == 0 else 0) + (r.params.max_tokens or 0)
-        for i, r in enumerate(reqs)
-    ]
-    state.accounts.charge(ticket, sum(estimates), requests=len(reqs))
-    gens: list[Generation] = []
-    try:
-        for i, (req, estimate) in enumerate(zip(reqs, estimates, strict=True)):
-            gens.append(Generation(state, req, ticket, estimate, received, i % n == 0))
-    except ValueError as e:
-        abort_all(gens)
-        raise APIError(400, str(e)) from e
-    return gens
-
-
-async def submit_all(
-    state: ServerState,
-    prompts: list,
-    params: list[SamplingParams],
-    *,
-    request_id: str,
-    received: float,
-    n: int = 1,
-    chars: int = 0,
-    **kwargs,
-) -> list[Generation]:
-    """`prepare` every prompt (`request_id-i`; off the event loop when they hold more than
-    a few thousand characters), then `start` them; `prompts` holds each prompt `n` times in
-    a row (one per choice)."""
-
-    def prepare_each() -> list[Request]:
-        return [
-            prepare(state, prompt, p, request_id=f"{request_id}-{i}", **kwargs)
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-        ]
-
-    reqs = await off_loop(prepare_each, chars)
-    return start(state, reqs, kwargs["ticket"], received, n)
 
 
 def abort_all(gens: list[Generation]) -> None:

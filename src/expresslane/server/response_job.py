@@ -1,11 +1,12 @@
 """One Responses API request from validation to its stored result, shared by HTTP, SSE,
 background mode and WebSocket mode.
 
-`prepare_request` validates, resolves `previous_response_id` (the re-rendered conversation
-starts with the same tokens as before, so the KV prefix cache serves them) and renders the
-prompt; `prepare_response` then submits it; any problem raises an `APIError` before a byte is
-sent. `ResponseJob.run` drives the assembler and writes events to an `EventLog` that any
-number of readers follow (the SSE writer, a WebSocket, a resumed background stream).
+`create_job` admits the request (`admission.py`: `check` is this API's part of it),
+`prepare_request` resolves `previous_response_id` (the re-rendered conversation starts with the
+same tokens as before, so the KV prefix cache serves them) and renders the prompt; any problem
+raises an `APIError` before a byte is sent. `ResponseJob.run` drives the assembler and writes
+events to an `EventLog` that any number of readers follow (the SSE writer, a WebSocket, a
+resumed background stream).
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ from typing import Any
 
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request as EngineRequest
-from expresslane.server.accounts import Ticket
+from expresslane.server.admission import Admission, Built, Endpoint, admit_and_submit
 from expresslane.server.durability import ProgressClock, mark_interrupted
 from expresslane.server.errors import database_unavailable, invalid
 from expresslane.server.event_log import EventLog
-from expresslane.server.generation import (
-    Generation,
-    make_params,
-    prepare,
-    start,
-    with_model_defaults,
-)
+from expresslane.server.generation import Generation, make_params
+from expresslane.server.keys import ApiKey
 from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
     new_id,
@@ -45,7 +41,6 @@ from expresslane.server.truncation import fit
 from expresslane.tool_parsers import ToolParser
 
 log = logging.getLogger("expresslane.server")
-NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -282,19 +277,39 @@ class Prepared:
     declared: set[str]
 
 
+def check(state: ServerState, req: ResponseCreateRequest) -> int:
+    """The Responses API's checks before any work; the input's characters (the model is
+    admission's to check)."""
+    if req.background and req.store is False:
+        raise invalid("background mode needs store=true.", param="background")
+    raw_input = _input(req)
+    return state.check_size(
+        items=len(raw_input) if isinstance(raw_input, list) else 1,
+        tools=len(req.tools or []),
+        text=[raw_input, req.instructions],
+        param="input",
+        truncate=req.truncation == "auto",
+    )
+
+
+def _input(req: ResponseCreateRequest) -> object:
+    """The request's input: a string or items."""
+    return req.input if req.input is not None else []
+
+
 async def prepare_request(
-    state: ServerState,
+    admission: Admission,
     req: ResponseCreateRequest,
     *,
-    ticket: Ticket,
     local: dict[str, list[dict]] | None = None,
     generate: bool = True,
 ) -> Prepared:
-    """Validate, resolve previous_response_id, render (truncation=auto: `truncation.py`) and
-    tokenize; touches no engine state, so POST /v1/responses/input_tokens counts with it."""
-    raw_input, chars = _checked_input(state, req)
-    context = resolve_previous(state, req.previous_response_id, local, owner=ticket.owner)
-    items, new_messages = responses_input(raw_input, context)
+    """Resolve previous_response_id, render (truncation=auto: `truncation.py`) and make the
+    engine request (`check` ran before); starts nothing, so POST /v1/responses/input_tokens
+    counts with it."""
+    state = admission.state
+    context = resolve_previous(state, req.previous_response_id, local, owner=admission.ticket.owner)
+    items, new_messages = responses_input(_input(req), context)
     setup, choice = _tool_setup(state, req)
     tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -304,41 +319,16 @@ async def prepare_request(
 
     def attempt(messages: list[dict]) -> EngineRequest:
         prompt = render(state.tokenizer, messages, template)
-        return prepare(
-            state,
-            prompt,
-            params,
-            ticket=ticket,
-            request_id=rid,
-            names=NAMES,
-            add_special_tokens=False,
-            cache_salt=req.cache_salt,
-        )
+        return admission.make(prompt, params, rid, add_special_tokens=False)
 
-    def render_and_prepare() -> EngineRequest:
+    def render_and_make() -> EngineRequest:
         messages = system + context + new_messages
         if req.truncation == "auto":
             return fit(messages, attempt, state.max_prompt_chars)
         return attempt(messages)
 
-    engine_req = await off_loop(render_and_prepare, chars + text_size(context))
+    engine_req = await off_loop(render_and_make, admission.chars + text_size(context))
     return Prepared(engine_req, items, context, new_messages, tools, choice, parser, setup.declared)
-
-
-def _checked_input(state: ServerState, req: ResponseCreateRequest) -> tuple[object, int]:
-    """The request's input (a string or items) and its size in characters, checked."""
-    state.check_model(req.model)
-    if req.background and req.store is False:
-        raise invalid("background mode needs store=true.", param="background")
-    raw_input = req.input if req.input is not None else []
-    chars = state.check_size(
-        items=len(raw_input) if isinstance(raw_input, list) else 1,
-        tools=len(req.tools or []),
-        text=[raw_input, req.instructions],
-        param="input",
-        truncate=req.truncation == "auto",
-    )
-    return raw_input, chars
 
 
 def _sampling(req: ResponseCreateRequest, setup, generate: bool):
@@ -346,7 +336,7 @@ def _sampling(req: ResponseCreateRequest, setup, generate: bool):
     if skip_special is None and setup.parser is not None and setup.parser.needs_special_tokens:
         skip_special = False  # the tool call markers must stay in the text to be parsed
     return make_params(
-        NAMES,
+        "responses",
         req,
         max_tokens=req.max_output_tokens if generate else 1,
         seed=req.seed,
@@ -356,25 +346,33 @@ def _sampling(req: ResponseCreateRequest, setup, generate: bool):
     )
 
 
-async def prepare_response(
+async def create_job(
     state: ServerState,
     req: ResponseCreateRequest,
     *,
+    key: ApiKey,
     received: float,
+    http: Any = None,
     local: dict[str, list[dict]] | None = None,
     extra: dict | None = None,
     generate: bool = True,
-    ticket: Ticket,
 ) -> ResponseJob:
-    req = with_model_defaults(req, state.engine.sampling_defaults)
-    p = await prepare_request(state, req, ticket=ticket, local=local, generate=generate)
-    (gen,) = start(state, [p.engine_req], ticket, received)
-    model, store = state.check_model(req.model), req.store is not False
+    """Admit and submit the request (`admission.py`), and the job that runs it; `http` is
+    the HTTP request, None over a WebSocket."""
+
+    async def build(admission: Admission, body: ResponseCreateRequest) -> Built:
+        p = await prepare_request(admission, body, local=local, generate=generate)
+        return Built([p.engine_req], 1, p)
+
+    endpoint = Endpoint(lambda body: "responses", check, build)
+    admitted = await admit_and_submit(state, req, endpoint, key=key, received=received, http=http)
+    req, p, (gen,) = admitted.body, admitted.built.extra, admitted.gens
+    store = req.store is not False
     response = base_response(
         p.engine_req.request_id,
         req,
-        model=model,
-        tier=ticket.tier,
+        model=admitted.model,
+        tier=admitted.ticket.tier,
         tools=p.tools,
         tool_choice=p.choice,
         store=store,

@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from expresslane.server.accounts import Ticket
+from expresslane.server.admission import Admission
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid, not_found
-from expresslane.server.response_job import ResponseJob, prepare_request, prepare_response
+from expresslane.server.response_job import ResponseJob, check, create_job, prepare_request
 from expresslane.server.schemas import InputTokensRequest, ResponseCreateRequest
 from expresslane.server.sse import event, sse_response, until_disconnected
 from expresslane.server.state import ServerState, get_state
@@ -32,9 +33,8 @@ async def _sse(job: ResponseJob, after: int = -1):
 @router.post("/v1/responses")
 async def create_response(body: ResponseCreateRequest, request: Request):
     received = time.perf_counter()
-    state = get_state(request)
-    ticket = state.admit(request, body.service_tier)
-    job = await prepare_response(state, body, received=received, ticket=ticket)
+    key = request.state.api_key  # set by AuthMiddleware
+    job = await create_job(get_state(request), body, key=key, received=received, http=request)
     snapshot = copy.deepcopy(job.response)
     await job.start(announced=bool(body.background or body.stream))
     if body.background:
@@ -67,7 +67,10 @@ async def count_input_tokens(body: InputTokensRequest, request: Request):
         )
     key = request.state.api_key  # set by AuthMiddleware
     ticket = Ticket(key, key.plan.default_tier, key.plan.default_tier)  # no lane is used
-    prepared = await prepare_request(get_state(request), body, ticket=ticket)
+    state = get_state(request)
+    state.check_model(body.model)
+    admission = Admission(state, ticket, "responses", body.cache_salt, check(state, body))
+    prepared = await prepare_request(admission, body)
     return InputTokens(input_tokens=prepared.engine_req.num_prompt_tokens)
 
 

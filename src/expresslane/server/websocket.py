@@ -33,7 +33,7 @@ from expresslane.server.errors import (
     validation_error,
 )
 from expresslane.server.lifecycle import refusal
-from expresslane.server.response_job import prepare_response
+from expresslane.server.response_job import create_job
 from expresslane.server.schemas import WsResponseCreate
 from expresslane.server.state import ServerState
 
@@ -108,15 +108,14 @@ class Connection:
             req = _response_create(data)
             if self.ws.app.state.lifecycle.draining:
                 raise refusal()
-            ticket = self.state.admit_key(self.ws.state.api_key, req.service_tier)
-            job = await prepare_response(
+            job = await create_job(
                 self.state,
                 req,
+                key=self.ws.state.api_key,
                 received=received,
                 local=self.local,
                 extra=extra,
                 generate=req.generate is not False,
-                ticket=ticket,
             )
             await job.start()
         except Exception as e:  # a bad or failing message must not cost the connection
