@@ -206,13 +206,12 @@ def test_step_masks_match_a_plain_reference(engines):
     for r in reqs:
         r.num_computed_tokens = r.num_tokens - 1
     items = [(r, 1 + len(r.spec.guesses)) for r in reqs]
-    eng.runner.sampler.masks = eng.grammars.start(items)
+    masks = eng.grammars.start(items)
     owners = [k for k, (_, n) in enumerate(items) for _ in range(n)]
     offsets = [j for _, n in items for j in range(n)]
     rng = torch.Generator().manual_seed(0)
     logits = torch.randn(len(owners), eng.model_config.vocab_size, generator=rng)
-    got = eng.runner.sampler(logits, [reqs[k] for k in owners], offsets).token_ids
-    eng.runner.sampler.masks = None
+    got = eng.runner.sampler(logits, [reqs[k] for k in owners], offsets, masks).token_ids
     for i, (k, j) in enumerate(zip(owners, offsets, strict=True)):
         ref = eng.grammars.matcher(grammar)
         ref.consume_tokens(history[k] + reqs[k].spec.guesses[:j])

@@ -262,8 +262,7 @@ class LLMEngine:
     def _run(self, items: list[tuple[Request, int]]) -> StepRun:
         """The model step, grammar masks included, without the requests that raise."""
         masks = self._grammars.start(items) if self._grammars is not None else None
-        self.runner.sampler.masks = masks  # on a GPU, filled during the forward pass
-        return run_isolated(self.runner.step, items)
+        return run_isolated(lambda part: self.runner.step(part, masks), items)
 
     def _accept_all(self, run: StepRun, outputs: list[RequestOutput]) -> int:
         """Append each request's output to `outputs`; the number of tokens emitted."""

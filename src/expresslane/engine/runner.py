@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from expresslane.engine import prompt_logprobs
+from expresslane.engine.grammar import StepMasks
 from expresslane.engine.prompt_logprobs import PromptRows
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler, SampleResult
@@ -178,8 +179,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(
-        self, items: list[tuple[Request, int]]
+        self, items: list[tuple[Request, int]], masks: StepMasks | None = None
     ) -> tuple[list[tuple[Request, int]], SampleResult | None]:
+        """Run the model on the scheduled items and sample their rows (`masks`: the step's
+        grammar masks, on a GPU filled during the forward pass)."""
         prompt_rows: PromptRows = []
         input_ids, positions, meta, rows, samples = self.prepare(items, prompt_rows)
         logits = self.model(input_ids, positions, meta, rows)
@@ -188,7 +191,8 @@ class ModelRunner:
         if samples:
             row_reqs = [req for req, n in samples for _ in range(n)]
             offsets = [j for _, n in samples for j in range(n)]
-            result = self.sampler(logits[:sampled] if prompt_rows else logits, row_reqs, offsets)
+            scores = logits[:sampled] if prompt_rows else logits
+            result = self.sampler(scores, row_reqs, offsets, masks)
         if prompt_rows:  # after sampling: a step that raises records nothing
             prompt_logprobs.record(logits[sampled:], prompt_rows)
         return samples, result

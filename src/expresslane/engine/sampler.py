@@ -115,7 +115,6 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        self.masks: StepMasks | None = None  # this step's grammar masks (engine/grammar.py)
 
     def generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
@@ -125,15 +124,20 @@ class Sampler:
         return req.generator
 
     def __call__(
-        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        offsets: list[int] | None = None,
+        masks: StepMasks | None = None,
     ) -> SampleResult:
         """logits: float32 [B, V], one row per request, or with `offsets` several: row i is
         position offsets[i] of its request's verification window, where it scores the guess
-        spec.guesses[offsets[i]] (the last row has no guess: the bonus token)."""
+        spec.guesses[offsets[i]] (the last row has no guess: the bonus token). `masks`: the
+        step's grammar masks (engine/grammar.py)."""
         raw = logits
         logprobs = any(r.params.logprobs is not None for r in reqs)
         logits = self._mask_early_stops(logits, reqs)
-        logits = self._mask_grammar(logits, reqs, offsets, raw)
+        logits = self._mask_grammar(logits, reqs, offsets, raw, masks)
         logits = apply_penalties(logits, reqs, offsets, inplace=logits is not raw or not logprobs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
@@ -157,15 +161,20 @@ class Sampler:
         return logits
 
     def _mask_grammar(
-        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None, raw
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        offsets: list[int] | None,
+        raw,
+        masks: StepMasks | None,
     ) -> torch.Tensor:
         """Tokens the rows' grammars do not allow get -inf (in place, unless the logprobs
         need the raw logits)."""
-        if self.masks is None:
+        if masks is None:
             return logits
         if logits is raw and any(r.params.logprobs is not None for r in reqs):
             logits = logits.clone()
-        return self.masks.apply(logits, reqs, offsets)
+        return masks.apply(logits, reqs, offsets)
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from (`filtered_probs`; on CPU the native
