@@ -39,7 +39,7 @@ from common import machine, real_smollm2, save_results
 # benchmarks/ alone.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from expresslane import LLM, SamplingParams  # noqa: E402
-from expresslane.spec.stats import SpecStats  # noqa: E402
+from expresslane.engine.speculation.stats import SpecStats  # noqa: E402
 from scripts.eval_demo_model import spec_workloads as workloads  # noqa: E402
 
 
@@ -87,7 +87,7 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[flo
 
 
 def spec_summary(llm: LLM) -> dict:
-    s = llm.engine.spec_stats
+    s = llm.engine.speculation.stats
     return {
         "acceptance_rate": round(s.acceptance_rate, 3),
         "mean_accepted_tokens": round(s.mean_accepted_tokens, 2),
@@ -128,7 +128,7 @@ def main() -> None:
         }
         for llm in llms.values():  # warm-up (kernels, allocator)
             llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0))
-            llm.engine.spec_stats = SpecStats()
+            llm.engine.speculation.stats = SpecStats()
         rounds = [run_batch1(llms, prompts, params) for _ in range(args.batch1_rounds)]
         row = {}
         for m in llms:
@@ -152,7 +152,7 @@ def main() -> None:
         spec = None if s is None else {**s, "max_batch": "auto"}
         llms[m] = LLM(args.path, speculative=spec, max_batch=args.batch, max_model_len=2048)
         llms[m].generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))
-        llms[m].engine.spec_stats = SpecStats()
+        llms[m].engine.speculation.stats = SpecStats()
     runs: dict[str, list[float]] = {m: [] for m in llms}
     order = list(llms)
     for r in range(args.batch_rounds):  # each round starts with the next mode: no mode always first

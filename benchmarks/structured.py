@@ -106,7 +106,7 @@ def main() -> None:
     if args.overlap != "auto":
         eng.grammars.overlap = args.overlap == "on"
     if args.no_forced:
-        eng.guesses.add_forced = lambda running: None
+        eng.speculation.planner.add_forced = lambda running: None
     print(f"masks filled {'during' if eng.grammars.overlap else 'after'} the forward pass", end="")
     print("; forced tokens not guessed" if args.no_forced else "; forced tokens guessed")
     decode_rate(eng, 4, 8, True)  # warm-up: kernels, the grammar cache

@@ -80,7 +80,7 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     kv = engine.kv
     assert kv.num_used_blocks == 0 and all(b.ref_count == 0 for b in kv.blocks)
     assert not engine.requests and not engine.scheduler.has_unfinished()
-    for spec in engine.proposers.values():
+    for spec in engine.speculation.proposers.values():
         assert not spec.proposer.indexes  # the n-gram proposer forgot every request
 
 
@@ -88,7 +88,7 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
 def reference(llama_dir):
     engine = new_engine(llama_dir)
     outs = drive(engine, good_requests(engine))
-    assert engine.spec_stats.proposed > 0  # the ultrafast lane did speculate
+    assert engine.speculation.stats.proposed > 0  # the ultrafast lane did speculate
     return tokens(outs)
 
 
@@ -107,7 +107,7 @@ def test_poison_requests_fail_alone_and_the_others_are_unchanged(llama_dir, refe
         assert got[rid] == []
     assert {rid: got[rid] for rid in reference} == reference
     assert all(outs[rid][-1].finish_reason == "length" for rid in reference)
-    assert engine.spec_stats.proposed > 0
+    assert engine.speculation.stats.proposed > 0
     assert_all_blocks_free(engine)
 
 
@@ -129,7 +129,7 @@ def test_a_request_whose_tokens_cannot_be_taken_fails_alone(llama_dir, reference
 
 def test_a_proposer_that_raises_costs_only_its_guesses(llama_dir, reference):
     engine = new_engine(llama_dir)
-    ngram = engine.proposers["ultrafast"].proposer
+    ngram = engine.speculation.proposers["ultrafast"].proposer
     calls = {"n": 0}
     propose = ngram.propose
 

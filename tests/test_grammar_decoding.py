@@ -41,7 +41,7 @@ def engines() -> dict[str, LLMEngine]:
         )
         for name, spec in SPECULATION.items()
     }
-    engines["plain"].guesses.add_forced = lambda running: None
+    engines["plain"].speculation.planner.add_forced = lambda running: None
     # chunked prefill (16-token chunks) and preemption (blocks for a fraction of the batch)
     engines["tight"] = LLMEngine(
         EngineConfig(
@@ -254,9 +254,9 @@ def test_forced_guesses_kept_over_a_capped_step(engines):
     while not req.num_output_tokens or not req.matcher.compute_ff_tokens():
         assert eng.has_unfinished()
         eng.step()  # until the grammar forces tokens (the key's, the path's)
-    engines["none"].guesses.add_forced(eng.scheduler.running)
+    engines["none"].speculation.planner.add_forced(eng.scheduler.running)
     assert req.spec.guesses and req.spec.forced
-    engines["none"].guesses.add_forced(eng.scheduler.running)  # the capped step's turn
+    engines["none"].speculation.planner.add_forced(eng.scheduler.running)  # the capped step's turn
     assert req.spec.forced
     while eng.has_unfinished():
         eng.step()

@@ -1,5 +1,6 @@
-"""House rules of the source tree: no import circles between modules, no file over 400 lines,
-no function over 60 lines."""
+"""House rules of the source tree: no import circles between modules, nor between packages, no
+module writing another object's private attribute, no file over 400 lines, no function over 60
+lines."""
 
 from __future__ import annotations
 
@@ -83,6 +84,57 @@ def test_no_import_circles():
     known = set(mods)
     graph = {name: imports(path, name, known) for name, path in mods.items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# Package circles known and not yet undone: checkpoint.py reads a GGUF checkpoint through
+# models/gguf_file.py, which the loader in models/ reads checkpoints through checkpoint.py for;
+# undone when the GGUF reading moves beside checkpoint.py (below both models/ and quant/).
+KNOWN_PACKAGE_CIRCLES = {frozenset({"expresslane.checkpoint", "expresslane.models"})}
+
+
+def package_of(module: str) -> str:
+    """The top-level package a module belongs to (`expresslane.engine` for every module
+    under engine/, its subpackages included), or a top-level module itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    known = set(mods)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        here = package_of(name)
+        deps = {package_of(m) for m in imports(path, name, known)} - {here}
+        deps = {d for d in deps if frozenset({here, d}) not in KNOWN_PACKAGE_CIRCLES}
+        graph.setdefault(here, set()).update(deps)
+    return graph
+
+
+def test_no_package_circles():
+    """Packages depend one way: engine/ never on server/, nor a subsystem on what uses it."""
+    graph = package_graph(sources())
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_no_writes_to_private_attributes_of_others():
+    """`x._name = ...` only for `self` or `cls`: an object's private state is its own."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Subscript):
+                    t = t.value
+                if not isinstance(t, ast.Attribute) or not t.attr.startswith("_"):
+                    continue
+                owner = t.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {ast.unparse(t)}")
+    assert found == []
 
 
 def test_files_and_functions_stay_short():

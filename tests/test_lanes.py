@@ -8,7 +8,6 @@ import pytest
 
 from expresslane import LLM, SamplingParams
 from expresslane.config import EngineConfig
-from expresslane.engine.calibration import lane_targets
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.step_model import StepLatencyModel, features
 from expresslane.errors import InvalidRequestError
@@ -110,7 +109,7 @@ def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir,
     model.set_costs([0.0105, 0.001, 0.0, 0.0])  # 10.5 ms + 1 ms per sequence
     # 16 tok/s = 62.5 ms per step; the scheduler holds 40% of it, 25 ms: 14 sequences per step
     engine.scheduler.set_target("ultrafast", 16.0)
-    engine._targets_resolved = True
+    engine.targets.resolved = True
     prompts = random_prompts(21, 5, 12, seed=12)
     params = SamplingParams(max_tokens=30, **GREEDY)
     slow, fast, batches = _ultrafast_among_defaults(engine, prompts, params)
@@ -135,7 +134,7 @@ def test_auto_target_keeps_the_lane_at_its_fraction_of_solo_speed(llama_dir, sol
     model = engine.step_model
     model.refit_every = 10**9
     model.set_costs([0.010, 0.001, 0.0, 0.0])  # the ultrafast decode alone: 11 ms
-    engine._resolve_targets()
+    engine.targets.resolve()
     prompts = random_prompts(9, 5, 12, seed=15)
     params = SamplingParams(max_tokens=20, **GREEDY)
     slow, fast, batches = _ultrafast_among_defaults(engine, prompts, params)
@@ -185,11 +184,11 @@ def test_speculation_can_be_set_per_lane(llama_dir, solo):
     params = SamplingParams(max_tokens=24, **GREEDY)
     fast = engine.add_request(prompt, params, request_id="u", lane="ultrafast")
     _run(engine, [fast])
-    proposed_by_ultrafast = engine.spec_stats.proposed
+    proposed_by_ultrafast = engine.speculation.stats.proposed
     slow = engine.add_request(prompt, params, request_id="d", lane="default")
     _run(engine, [slow])
     assert proposed_by_ultrafast > 0
-    assert engine.spec_stats.proposed == proposed_by_ultrafast  # default does not speculate
+    assert engine.speculation.stats.proposed == proposed_by_ultrafast  # default does not speculate
     assert fast.output_token_ids == slow.output_token_ids == solo(prompt, 24)
 
 
@@ -209,7 +208,7 @@ def test_calibration_fits_the_step_model_and_leaves_the_pool_free(llama_dir):
     solo = engine.step_model.solo_steps
     assert min(solo.maxlen, 3 * 4 * 15) <= len(solo)
     solo_speed = 1 / float(np.percentile(engine.step_model.solo_steps, 25))
-    assert lane_targets(engine) == {"ultrafast": pytest.approx(0.95 * solo_speed)}
+    assert engine.targets.per_request() == {"ultrafast": pytest.approx(0.95 * solo_speed)}
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

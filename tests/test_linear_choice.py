@@ -125,6 +125,6 @@ def test_greedy_outputs_identical_with_speculation_on_matrix_prompts(
     )
     spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert spec_llm.engine.spec_stats.accepted > 0
+    assert spec_llm.engine.speculation.stats.accepted > 0
     kv = spec_llm.engine.kv
     assert kv.num_free_blocks == kv.num_blocks

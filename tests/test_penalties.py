@@ -87,7 +87,7 @@ def test_greedy_with_adjustments_is_identical_with_speculation(llama_dir, llm, c
     spec_llm = LLM(str(llama_dir), dtype="float32", speculative=NGRAM)
     spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    stats = spec_llm.engine.spec_stats
+    stats = spec_llm.engine.speculation.stats
     if case == "negative-frequency":
         assert stats.accepted > 10
 

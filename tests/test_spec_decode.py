@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from expresslane import LLM, SamplingParams
-from expresslane.errors import InvalidRequestError
-from expresslane.spec import (
+from expresslane.engine.speculation import (
     NgramProposer,
     Proposal,
     best_length,
@@ -15,6 +14,7 @@ from expresslane.spec import (
     make_proposer,
     proposal_length,
 )
+from expresslane.errors import InvalidRequestError
 
 from .conftest import random_prompts
 
@@ -46,7 +46,7 @@ def test_ngram_index_grows_with_the_sequence_and_matches_a_full_search():
     import random
 
     from expresslane.engine.request import Request
-    from expresslane.spec.ngram import NgramIndex
+    from expresslane.engine.speculation.ngram import NgramIndex
 
     rng = random.Random(0)
     p = NgramProposer()
@@ -78,7 +78,7 @@ def test_greedy_outputs_identical_with_ngram_speculation(llama_dir, batch):
     )
     spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    stats = spec_llm.engine.spec_stats
+    stats = spec_llm.engine.speculation.stats
     assert stats.proposed > 0 and stats.accepted > 0
     assert spec_llm.engine.num_steps < sum(len(o.token_ids) for o in plain) // batch + 20
     kv = spec_llm.engine.kv
@@ -154,7 +154,7 @@ def test_guesses_per_request_adapt_to_acceptance(llama_dir, right):
     plain = LLM(str(llama_dir), dtype="float32").generate(prompt, params)[0].token_ids
     llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
     scripted = _Scripted(prompt + plain, right)
-    llm.engine.proposers["default"].proposer = scripted
+    llm.engine.speculation.proposers["default"].proposer = scripted
     assert llm.generate(prompt, params)[0].token_ids == plain
     asked = scripted.asked
     assert asked[0] == 3  # the starting guess: acceptance 0.75
@@ -170,18 +170,18 @@ def test_speculation_stops_past_the_batch_limit_except_for_ultrafast(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", speculative=spec)
     outs = llm.generate(prompts, params)  # 4 running at once: past the limit of 2
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert llm.engine.spec_stats.proposed == 0
+    assert llm.engine.speculation.stats.proposed == 0
     engine = llm.engine
     reqs = [engine.add_request(p, params, lane="ultrafast") for p in prompts]
     while engine.has_unfinished():
         engine.step()
-    assert engine.lane_spec_stats["ultrafast"].proposed > 0
-    assert engine.lane_spec_stats["default"].proposed == 0
+    assert engine.speculation.lane_stats["ultrafast"].proposed > 0
+    assert engine.speculation.lane_stats["default"].proposed == 0
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
 
 
 def test_speculation_payoff_is_measured_per_batch_size():
-    from expresslane.spec.payoff import SpecPayoff
+    from expresslane.engine.speculation.payoff import SpecPayoff
 
     payoff = SpecPayoff(explore_every=4, settled_explore_every=16, recheck_every=8, min_samples=2)
     # untimed: guess, but every 4th step runs plain to time it
@@ -208,9 +208,9 @@ def test_lanes_stop_guessing_where_it_does_not_pay_except_ultrafast(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 4, "max_batch": None})
     engine = llm.engine
     scripted = _Scripted(prompt + plain, right=True)
-    for spec in engine.proposers.values():  # every lane's
+    for spec in engine.speculation.proposers.values():  # every lane's
         spec.proposer = scripted
-    payoff = engine.spec_payoff
+    payoff = engine.speculation.payoff
     for _ in range(payoff.min_samples):  # timed: guessing costs ten times what it yields
         payoff.record(1, True, 1.0, 1)
         payoff.record(1, False, 0.1, 1)
@@ -221,11 +221,16 @@ def test_lanes_stop_guessing_where_it_does_not_pay_except_ultrafast(llama_dir):
     while engine.has_unfinished():
         engine.step()
     assert req.output_token_ids == plain
-    assert scripted.asked and engine.lane_spec_stats["ultrafast"].accepted > 0
+    assert scripted.asked and engine.speculation.lane_stats["ultrafast"].accepted > 0
 
 
 def test_acceptance_is_estimated_per_kind_from_the_lane_to_the_request():
-    from expresslane.spec.acceptance import LANE_START, LaneAcceptance, Tally, guesses_tried
+    from expresslane.engine.speculation.acceptance import (
+        LANE_START,
+        LaneAcceptance,
+        Tally,
+        guesses_tried,
+    )
 
     assert [guesses_tried(k, 4) for k in range(5)] == [1, 2, 3, 4, 4]  # up to the first miss
     lane = LaneAcceptance()
@@ -243,7 +248,7 @@ def test_acceptance_is_estimated_per_kind_from_the_lane_to_the_request():
 
 
 def test_payoff_compares_time_per_token_as_a_ratio_of_sums_that_fades_with_steps():
-    from expresslane.spec.payoff import SpecPayoff
+    from expresslane.engine.speculation.payoff import SpecPayoff
 
     payoff = SpecPayoff(min_samples=2, weight=0.1)
     for _ in range(4):
@@ -266,17 +271,17 @@ def test_payoff_compares_time_per_token_as_a_ratio_of_sums_that_fades_with_steps
 def test_free_proposals_are_cut_to_what_their_kind_is_worth(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", speculative={"num_tokens": 6})
     engine = llm.engine
-    spec = engine.proposers["default"]
+    spec = engine.speculation.proposers["default"]
     for _ in range(50):
         spec.acceptance.record({}, 3, 0, 6)  # three-token matches: never kept
         spec.acceptance.record({}, 1, 6, 6)  # one-token matches: always
     req = engine.add_request([1, 2, 3, 4, 9, 2, 3], SamplingParams(max_tokens=20, temperature=0))
     engine.step()  # the prompt; its sampled token is set below (the n-gram index never saw it)
     req.token_ids[-1] = 4  # ends in 2, 3, 4: a three-token match
-    engine.guesses.propose(engine.scheduler.running)
+    engine.speculation.planner.propose(engine.scheduler.running)
     assert req.spec.kind == 3 and req.spec.guesses == [9]  # cut to the fewest
     req.token_ids[-1] = 9  # ends in 9: a one-token match
-    engine.guesses.propose(engine.scheduler.running)
+    engine.speculation.planner.propose(engine.scheduler.running)
     assert req.spec.kind == 1 and req.spec.guesses == [2, 3, 9, 2, 3, 9]  # the most
 
 
@@ -307,7 +312,7 @@ def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
     vocab = engine.model_config.vocab_size
     a.spec.guesses, b.spec.guesses, c.spec.guesses = [7, 8, 9, 10], [11, 12, 13, 14], [15]
     c.spec.guess_probs = torch.full((1, vocab), 1.0 / vocab)
-    engine.guesses.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
+    engine.speculation.planner.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
     assert a.spec.guesses == [7, 8, 9, 10] and b.spec.guesses == [11, 12, 13, 14]
     assert c.spec.guesses == [15] * 4 and c.spec.padding == 3
     assert (
@@ -316,16 +321,16 @@ def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
     b.spec.guesses = []
     c.spec.keep_guesses(2)  # a budget cut drops pads first
     assert c.spec.guesses == [15, 15] and c.spec.padding == 1
-    engine.guesses.uniform(engine.scheduler.running, None)  # 4, 0, 2: the median, 2
+    engine.speculation.planner.uniform(engine.scheduler.running, None)  # 4, 0, 2: the median, 2
     assert (a.spec.guesses, b.spec.guesses, c.spec.guesses) == (
         [7, 8],
         [b.token_ids[-1]] * 2,
         [15, 15],
     )
     assert (a.spec.padding, b.spec.padding, c.spec.padding) == (0, 2, 1)
-    engine.spec_payoff.speculate = lambda batch: False  # verify these, propose nothing new
+    engine.speculation.payoff.speculate = lambda batch: False  # verify these, propose nothing new
     engine.step()
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     assert stats.steps == 2 and stats.proposed == 3  # a's two guesses, c's one: pads are not
     while engine.has_unfinished():
         engine.step()

@@ -16,8 +16,8 @@ from scipy.stats import chi2_contingency, chisquare
 from expresslane import LLM, SamplingParams
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler
+from expresslane.engine.speculation.draft import GREEDY_VOCAB_FILE
 from expresslane.errors import ModelLoadError
-from expresslane.spec.draft import GREEDY_VOCAB_FILE
 
 from .conftest import bf16_copy, random_prompts
 
@@ -63,10 +63,10 @@ def test_greedy_outputs_identical_on_100_prompts(
     llm = LLM(target, speculative=spec, **opts)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert 0 < stats.accepted < stats.proposed  # some guesses kept, some rolled back
     if method == "draft":
-        draft = llm.engine.proposers["default"].proposer
+        draft = llm.engine.speculation.proposers["default"].proposer
         assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
@@ -86,7 +86,7 @@ def test_draft_model_state_survives_preemption_and_abort(llama_dir, draft_dir):
         engine.step()
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in plain]
-    draft = engine.proposers["default"].proposer
+    draft = engine.speculation.proposers["default"].proposer
     assert not draft.seqs and draft.kv.num_free_blocks == draft.kv.num_blocks
 
 
@@ -115,7 +115,7 @@ def test_native_draft_loop_proposes_what_the_step_loop_does(
     else:
         folder = bf16_copy(draft_dir, tmp_path / "draft")
     llm = LLM(str(target), speculative=_spec(folder))
-    draft = llm.engine.proposers["default"].proposer
+    draft = llm.engine.speculation.proposers["default"].proposer
     assert draft.model.plan.native_head
     plan = draft.model.plan
     prompts = random_prompts(5, 4, 40, seed=43)
@@ -159,7 +159,7 @@ def test_greedy_vocab_keeps_outputs_identical(tmp_path, llama_bf16_dir, draft_di
     plain = plain_llm.generate(prompts, params)
     llm = LLM(str(target), speculative=_spec(folder), max_batch=max_batch)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert llm.engine.spec_stats.accepted > 0
+    assert llm.engine.speculation.stats.accepted > 0
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '{"token_ids": [1, -2]}', '{"ids": [1]}', "{"])
@@ -229,7 +229,7 @@ def test_sampled_outputs_follow_the_target_distribution(llama_dir, draft_dir, me
     # then mostly 0
     llm = LLM(str(llama_dir), dtype="float32", speculative=spec, max_batch=1)
     speculative = sample(llm, 10_000)
-    assert llm.engine.spec_stats.accepted > (100 if method == "draft" else 20)
+    assert llm.engine.speculation.stats.accepted > (100 if method == "draft" else 20)
     for pos in range(1, 4):
         values = np.union1d(plain[:, pos], speculative[:, pos])
         table = [[np.sum(arm[:, pos] == v) for v in values] for arm in (plain, speculative)]

@@ -72,7 +72,7 @@ def _run_beside_defaults(llama_dir, measured: bool):
     engine = _engine(llama_dir, num_kv_blocks=512, lanes=lanes)
     engine.step_model.refit_every = 10**9
     engine.step_model.set_costs([1e-6, 1e-6, 0.0, 0.0])
-    engine._resolve_targets()
+    engine.targets.resolve()
     credit = engine.scheduler.credit
     if not measured:
         credit.settle = lambda seconds: None
@@ -121,14 +121,14 @@ def test_capped_requests_are_not_padded_with_the_targeted_lanes_guesses(llama_di
     params = SamplingParams(max_tokens=16, **GREEDY)
     slow = [engine.add_request(p, params) for p in random_prompts(4, 5, 9, seed=23)]
     fast = engine.add_request(base * 4, params, lane="ultrafast")  # repetitive: guesses
-    uniform, guessed = engine.guesses.uniform, []
+    uniform, guessed = engine.speculation.planner.uniform, []
 
     def checked(running, costs):
         uniform(running, costs)
         guessed.append(len(fast.spec.guesses))
         assert all(not r.spec.guesses for r in slow)  # no pads for a lane that does not guess
 
-    engine.guesses.uniform = checked
+    engine.speculation.planner.uniform = checked
     while engine.has_unfinished():
         engine.step()
     assert max(guessed) > 0

@@ -1,4 +1,5 @@
-"""Fitting the step-latency model before serving, and the lane speed targets it resolves."""
+"""Fitting the step-latency model before serving (`calibrate`), and the lane speed targets it
+resolves (`LaneTargets`, the engine's `targets`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from expresslane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from expresslane.engine.engine import LLMEngine
+    from expresslane.engine.scheduler import Scheduler
+    from expresslane.engine.step_model import StepLatencyModel
+    from expresslane.lanes import Lane
 
 log = logging.getLogger("expresslane.engine")
 
@@ -47,7 +51,7 @@ def calibrate(engine: LLMEngine) -> None:
                 continue
             if i == len(sweep):
                 engine.step_model.forget_live()  # the warm-up's steps
-            engine._calibrating = i >= len(sweep)
+            engine.step_model.calibrating = i >= len(sweep)
             params = SamplingParams(
                 max_tokens=SOLO_TOKENS if b == 1 else 4, temperature=0.0, ignore_eos=True
             )
@@ -58,42 +62,51 @@ def calibrate(engine: LLMEngine) -> None:
             while engine.has_unfinished():
                 engine.step()
     finally:
-        engine._calibrating = False
+        engine.step_model.calibrating = False
         for rid in list(engine.requests):
             engine.abort(rid)
     engine.step_model.fit()
-    resolve_targets(engine)
+    engine.targets.resolve()
     log.info("step-latency model: %s", engine.step_model.describe())
 
 
-def resolve_targets(engine: LLMEngine) -> None:
-    """Hand the lanes' targets to the scheduler: numbers as tokens/s, "auto" as a fraction of
-    the speed the lane's requests get alone."""
-    for lane in engine.lanes.values():
-        target = lane.target_tokens_per_s
-        auto = target == "auto"
-        engine.scheduler.set_solo_fraction(lane.name, lane.solo_fraction if auto else None)
-        engine.scheduler.set_target(lane.name, None if auto or target is None else float(target))
-    for lane, tokens_per_s in lane_targets(engine).items():
-        log.info("lane %s: target %.0f tokens/s per request", lane, tokens_per_s)
-    engine._targets_resolved = True
+class LaneTargets:
+    """The lanes' speed targets, handed to the scheduler once the step-latency model is
+    fitted (`resolve`), and what they are worth in tokens/s per request (`per_request`)."""
 
+    def __init__(self, lanes: dict[str, Lane], scheduler: Scheduler, step_model: StepLatencyModel):
+        self.lanes, self.scheduler, self.step_model = lanes, scheduler, step_model
+        self.resolved = False
 
-def solo_tokens_per_s(engine: LLMEngine) -> float:
-    """The speed of one request decoding alone, without guesses: from the measured decodes
-    alone (calibration's, then the latest live ones), else the model's prediction."""
-    model = engine.step_model
-    seconds = model.solo_step() or model.predict(1, 1, 256)
-    return 1 / max(seconds, 1e-4)
+    def resolve(self) -> None:
+        """Hand the lanes' targets to the scheduler: numbers as tokens/s, "auto" as a
+        fraction of the speed the lane's requests get alone."""
+        for lane in self.lanes.values():
+            target = lane.target_tokens_per_s
+            auto = target == "auto"
+            self.scheduler.set_solo_fraction(lane.name, lane.solo_fraction if auto else None)
+            tokens_per_s = None if auto or target is None else float(target)
+            self.scheduler.set_target(lane.name, tokens_per_s)
+        for lane, tokens_per_s in self.per_request().items():
+            log.info("lane %s: target %.0f tokens/s per request", lane, tokens_per_s)
+        self.resolved = True
 
+    def solo_tokens_per_s(self) -> float:
+        """The speed of one request decoding alone, without guesses: from the measured
+        decodes alone (calibration's, then the latest live ones), else the model's
+        prediction."""
+        model = self.step_model
+        seconds = model.solo_step() or model.predict(1, 1, 256)
+        return 1 / max(seconds, 1e-4)
 
-def lane_targets(engine: LLMEngine) -> dict[str, float]:
-    """Each targeted lane's per-request speed target in tokens/s (what /metrics reports): an
-    "auto" lane's is its fraction of the solo speed, which follows the model's refits."""
-    scheduler, out = engine.scheduler, {}
-    for name in engine.lanes:
-        if name in scheduler.targets:
-            out[name] = scheduler.targets[name]
-        elif name in scheduler.solo_fractions and engine.step_model.ready:
-            out[name] = scheduler.solo_fractions[name] * solo_tokens_per_s(engine)
-    return out
+    def per_request(self) -> dict[str, float]:
+        """Each targeted lane's per-request speed target in tokens/s (what /metrics
+        reports): an "auto" lane's is its fraction of the solo speed, which follows the
+        model's refits."""
+        scheduler, out = self.scheduler, {}
+        for name in self.lanes:
+            if name in scheduler.targets:
+                out[name] = scheduler.targets[name]
+            elif name in scheduler.solo_fractions and self.step_model.ready:
+                out[name] = scheduler.solo_fractions[name] * self.solo_tokens_per_s()
+        return out

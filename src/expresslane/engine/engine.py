@@ -2,41 +2,31 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
 
-import torch
-
 from expresslane.config import EngineConfig
-from expresslane.demo import DRAFT_DIR, demo_model_dir
-from expresslane.engine.calibration import calibrate, lane_targets, resolve_targets
+from expresslane.engine.calibration import LaneTargets, calibrate
 from expresslane.engine.dtypes import model_dtypes
 from expresslane.engine.grammar import GrammarMatchers
-from expresslane.engine.isolation import StepRun, request_error, run_isolated
+from expresslane.engine.isolation import StepRun, device_fault, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
-from expresslane.engine.runner import CacheConfig, ModelRunner, kv_bytes_per_block
+from expresslane.engine.runner import CacheConfig, ModelRunner, size_kv_cache
 from expresslane.engine.scheduler import ScheduledBatch, Scheduler
-from expresslane.engine.snapshot import EngineSnapshot, SpecCounts
+from expresslane.engine.snapshot import EngineSnapshot, per_lane
+from expresslane.engine.speculation.component import Speculation
+from expresslane.engine.speculation.payoff import StepGuesses
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
-from expresslane.model_source import resolve_model
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
-from expresslane.models.kv_store import store_name
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec import SpecConfig, make_proposer
-from expresslane.spec.draft import DraftModelProposer
-from expresslane.spec.payoff import SpecPayoff, StepGuesses
-from expresslane.spec.planner import GuessPlanner
-from expresslane.spec.stats import SpecStats
-from expresslane.spec.verification import record_verification
 
 log = logging.getLogger("expresslane.engine")
 QUEUE_TIMEOUT = "queue_timeout"  # the error text of requests that waited too long to start
@@ -48,18 +38,13 @@ class LLMEngine:
         self.device = config.torch_device()
         mcfg = ModelConfig.from_dir(config.model_dir)
         max_len = self._load_model(config, mcfg)
-        num_blocks, max_len = self._size_kv_cache(config, mcfg, max_len)
+        kv = size_kv_cache(config, mcfg, self.dtype, max_len)
+        self.kv_store, self.kv_bytes_per_token = kv.store, kv.bytes_per_token
+        num_blocks, max_len = kv.num_blocks, kv.max_model_len
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cache = CacheConfig(num_blocks, config.block_size, self.kv_store)
-        self.model.batch_invariant = config.batch_invariant
-        self.runner = ModelRunner(self.model, cache, config.seed)
-        if config.batch_invariant and not self.model.plan.batch_invariant:
-            raise InvalidRequestError(
-                "batch_invariant needs the C++ layer stack with a row kernel for every linear "
-                "(bf16 or FP4 weights on a CPU where the kernels build); this model runs "
-                f"{self.model.plan.describe()}"
-            )
+        self.runner = ModelRunner(self.model, cache, config.seed, config.batch_invariant)
         log.info("execution plan: %s", self.model.plan.describe())
         # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
         # other than larger ones: the step-latency model fits them on a line of their own
@@ -68,9 +53,16 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self._set_up_speculation(config)
-        self._targets_resolved = False
-        self._calibrating = False  # steps are timed into the calibration set
+        self.targets = LaneTargets(self.lanes, self.scheduler, self.step_model)
+        self.speculation = Speculation(
+            config,
+            self.lanes,
+            self.step_model,
+            device=self.device,
+            max_model_len=max_len,
+            kv_blocks=(num_blocks, config.block_size),
+            target_vocab_size=self.model_config.vocab_size,
+        )
 
     def _load_model(self, config: EngineConfig, mcfg: ModelConfig) -> int:
         """Weights, lanes and the request factory; the context length they allow."""
@@ -95,74 +87,14 @@ class LLMEngine:
         self._grammars = self.factory.grammars
         return max_len
 
-    def _size_kv_cache(self, config: EngineConfig, mcfg: ModelConfig, max_len: int):
-        """(KV blocks, context length): the context shrinks to what the blocks hold."""
-        asked = mcfg.torch_dtype if config.dtype == "auto" else config.dtype
-        self.kv_store = store_name(config.kv_cache_dtype, asked, self.dtype)
-        per_block = kv_bytes_per_block(mcfg, config.block_size, self.dtype, self.kv_store)
-        self.kv_bytes_per_token = per_block // config.block_size
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
-        capacity = num_blocks * config.block_size
-        if capacity < max_len:
-            log.warning(
-                "KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len
-            )
-            max_len = capacity
-        return num_blocks, max_len
-
-    def _set_up_speculation(self, config: EngineConfig) -> None:
-        self.proposers: dict[str, SpecConfig] = {}  # lane name -> its speculation
-        self._drafts: dict[Path, DraftModelProposer] = {}  # lanes share a draft model
-        for lane in self.lanes.values():
-            settings = lane.speculative if lane.speculative is not None else config.speculative
-            if settings:
-                self.proposers[lane.name] = make_proposer(
-                    settings, self.device.type, self._load_draft
-                )
-        self.spec_stats = SpecStats()  # all lanes
-        self.lane_spec_stats = {name: SpecStats() for name in self.lanes}
-        self.spec_payoff = SpecPayoff()
-        self.guesses = GuessPlanner(
-            self.proposers, self.lanes, self.step_model, self.spec_payoff, self.max_model_len
-        )
-
-    def _load_draft(self, model: str | None) -> DraftModelProposer:
-        path = resolve_model(model) if model else demo_model_dir(DRAFT_DIR)
-        if path not in self._drafts:
-            dtype, linear_dtype = model_dtypes(
-                self.config, ModelConfig.from_dir(path).torch_dtype, self.device
-            )
-            self._drafts[path] = DraftModelProposer(
-                path,
-                dtype=dtype,
-                linear_dtype=linear_dtype,
-                device=self.device,
-                max_model_len=self.max_model_len,
-                num_blocks=self.kv.num_blocks,
-                block_size=self.kv.block_size,
-                target_vocab_size=self.model_config.vocab_size,
-                seed=self.config.seed,
-            )
-        return self._drafts[path]
-
     def snapshot(self) -> EngineSnapshot:
         """A copy of what the server reports (server/metrics.py); safe from another thread:
         it copies the scheduler's lists before counting."""
-        running, waiting = {}, {}
-        for counts, queue in (
-            (running, list(self.scheduler.running)),
-            (waiting, list(self.scheduler.waiting)),
-        ):
-            for req in queue:
-                counts[req.lane] = counts.get(req.lane, 0) + 1
         return EngineSnapshot(
-            running,
-            waiting,
-            lane_targets(self),
-            {
-                lane: SpecCounts(s.steps, s.proposed, s.accepted)
-                for lane, s in self.lane_spec_stats.items()
-            },
+            per_lane(list(self.scheduler.running)),
+            per_lane(list(self.scheduler.waiting)),
+            self.targets.per_request(),
+            self.speculation.counts(),
             self.kv.num_used_blocks,
             self.kv.num_blocks,
         )
@@ -214,9 +146,7 @@ class LLMEngine:
 
     def _remove(self, req: Request) -> None:
         self.scheduler.remove(req)
-        spec_config = self.proposers.get(req.lane)
-        if spec_config is not None:
-            spec_config.proposer.release(req.request_id)
+        self.speculation.release(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -226,9 +156,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: propose guesses, schedule, run the model, accept the tokens."""
         start = time.perf_counter()
-        if not self._targets_resolved and self.step_model.ready:
-            self._resolve_targets()
-        self._propose()
+        if not self.targets.resolved and self.step_model.ready:
+            self.targets.resolve()
+        self.speculation.propose(self.scheduler.running, self._grammars is not None)
         expired = self._expire_waiting()
         batch = self.scheduler.schedule()
         if not batch.items:
@@ -242,14 +172,6 @@ class LLMEngine:
             self._time_step(batch, guesses, time.perf_counter() - start, emitted)
         return outputs
 
-    def _propose(self) -> None:
-        """Guess the next tokens of the running requests: their lanes' proposals, or the
-        tokens their grammars force."""
-        if self.proposers:
-            self._propose_guesses()
-        if self._grammars is not None:
-            self.guesses.add_forced(self.scheduler.running)
-
     def _started(self, items: list[tuple[Request, int]]) -> StepGuesses:
         """Mark the scheduled requests' first scheduling; the step's guesses, before it runs."""
         self.num_steps += 1
@@ -257,7 +179,7 @@ class LLMEngine:
         for req, _ in items:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
-        return StepGuesses.of(req for req, _ in items)
+        return self.speculation.started(req for req, _ in items)
 
     def _run(self, items: list[tuple[Request, int]]) -> StepRun:
         """The model step, grammar masks included, without the requests that raise."""
@@ -288,24 +210,12 @@ class LLMEngine:
         self, batch: ScheduledBatch, guesses: StepGuesses, seconds: float, emitted: int
     ) -> None:
         """What the step cost: for the step-latency model and speculation's payoff."""
-        self._observe(len(batch.items), batch.num_tokens, batch.context_tokens, seconds)
+        seqs, tokens = len(batch.items), batch.num_tokens
+        self.step_model.record(seqs, tokens, batch.context_tokens, seconds)
         self.scheduler.credit.settle(seconds)
-        if self.proposers:
-            self.spec_payoff.record_step(
-                guesses, len(batch.items), batch.num_tokens, seconds, emitted
-            )
+        self.speculation.step_timed(guesses, seqs, tokens, seconds, emitted)
 
     # -- faults -------------------------------------------------------------------------
-
-    def _propose_guesses(self) -> None:
-        """Guesses are optional: when a proposer raises, this step runs without any (a
-        proposer's per-request state is synced again before its next proposal)."""
-        try:
-            self.guesses.propose(self.scheduler.running)
-        except Exception:
-            log.exception("speculative proposal failed: the step runs without guesses")
-            for req in self.scheduler.running:
-                req.spec.clear_guesses()
 
     def _emit(self, req: Request, result, row: int, rows: int) -> RequestOutput:
         """The request's output for its sampled rows; an error output, for this request
@@ -326,11 +236,7 @@ class LLMEngine:
         failed alone (a device fault), also drop what the prefix cache holds."""
         outputs = [self._fail(req, run.error_message(e)) for req, e in run.failed]
         if run.device_fault:
-            log.error("every request of the step failed: dropping the prefix cache")
-            self.kv.drop_cached_prefixes()
-            if self.device.type == "cuda":
-                with contextlib.suppress(Exception):
-                    torch.cuda.empty_cache()
+            device_fault(self.kv, self.device)
         return outputs
 
     def _expire_waiting(self) -> list[RequestOutput]:
@@ -352,12 +258,6 @@ class LLMEngine:
         self.outputs.finish(req, "error")
         return self.outputs.make_output(req, 0, error=message)
 
-    def _observe(self, seqs: int, tokens: int, context: int, seconds: float) -> None:
-        if self._calibrating:
-            self.step_model.add_calibration(seqs, tokens, context, seconds)
-        else:
-            self.step_model.observe(seqs, tokens, context, seconds)
-
     def _accept(self, req: Request, result, row: int, rows: int) -> int:
         """Append the sampled token, or for speculation the guesses the model agrees with
         plus its own next token. Returns how many tokens were appended."""
@@ -374,10 +274,7 @@ class LLMEngine:
             # KV is valid up to the last accepted guess; roll back the rest.
             req.num_computed_tokens += appended - 1
             self.kv.trim(req, req.num_computed_tokens)
-            counters = (self.spec_stats, self.lane_spec_stats[req.lane])
-            spec_config = self.proposers.get(req.lane)
-            record_verification(req.spec, spec_config, len(guesses), appended, counters)
-        if req.lane in self.proposers:
+        if self.speculation.accepted(req, len(guesses), appended):
             self.scheduler.observe_tokens_per_step(req.lane, appended)
         return appended
 
@@ -386,9 +283,6 @@ class LLMEngine:
     def calibrate(self) -> None:
         """Fit the step-latency model to timed synthetic steps (engine/calibration.py)."""
         calibrate(self)
-
-    def _resolve_targets(self) -> None:
-        resolve_targets(self)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (when a step raised outside the model step's

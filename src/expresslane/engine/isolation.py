@@ -14,12 +14,14 @@ a request's (`StepRun.device_fault`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import SampleResult
 
@@ -52,6 +54,16 @@ class StepRun:
 def request_error(error: Exception) -> str:
     """The error text of a request that made the engine raise."""
     return f"the engine could not run this request: {type(error).__name__}: {error}"
+
+
+def device_fault(kv: KVCacheManager, device: torch.device) -> None:
+    """Every request of a step failed alone: the device, not a request, is at fault, and
+    what the prefix cache holds is not trusted any more."""
+    log.error("every request of the step failed: dropping the prefix cache")
+    kv.drop_cached_prefixes()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
 
 
 def run_isolated(step: StepFn, items: Items) -> StepRun:

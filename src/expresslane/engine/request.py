@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from expresslane.engine.speculation.state import SpecState
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec.state import SpecState
 
 
 class Status(enum.Enum):
@@ -77,7 +77,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.cache_salt = cache_salt  # the chain's root: only equal salts share cached blocks
-        self.spec = SpecState()  # its speculative guesses and their record (spec/state.py)
+        self.spec = SpecState()  # its speculative guesses and their record (speculation/state.py)
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict] = []

@@ -8,20 +8,25 @@ tokens), then prompt chunks.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from expresslane.config import EngineConfig
 from expresslane.engine import prompt_logprobs
 from expresslane.engine.grammar import StepMasks
 from expresslane.engine.prompt_logprobs import PromptRows
 from expresslane.engine.request import Request
 from expresslane.engine.sampler import Sampler, SampleResult
+from expresslane.errors import InvalidRequestError
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
-from expresslane.models.kv_store import STORES
+from expresslane.models.kv_store import STORES, store_name
 from expresslane.models.llama import LlamaModel
+
+log = logging.getLogger("expresslane.engine")
 
 
 def kv_bytes_per_block(
@@ -29,6 +34,30 @@ def kv_bytes_per_block(
 ) -> int:
     per_token = STORES[store].bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype)
     return cfg.num_layers * block_size * per_token
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    store: str  # the KV store's name (models/kv_store.py `STORES`)
+    bytes_per_token: int
+    num_blocks: int
+    max_model_len: int  # the context, shrunk to what the blocks hold
+
+
+def size_kv_cache(
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_len: int
+) -> KVSizing:
+    """The KV cache a config asks for a model run in `dtype`: its store, its blocks, and the
+    context length they hold (at most `max_len`)."""
+    asked = cfg.torch_dtype if config.dtype == "auto" else config.dtype
+    store = store_name(config.kv_cache_dtype, asked, dtype)
+    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, store)
+    num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
+    capacity = num_blocks * config.block_size
+    if capacity < max_len:
+        log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
+        max_len = capacity
+    return KVSizing(store, per_block // config.block_size, num_blocks, max_len)
 
 
 def _uniform_group(items):
@@ -55,7 +84,16 @@ class CacheConfig:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: CacheConfig, seed: int | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: CacheConfig,
+        seed: int | None = None,
+        batch_invariant: bool = False,
+    ):
+        """Bind the model to the KV stores of `cache` (its execution plan follows);
+        `batch_invariant` needs a plan that keeps every row's result apart from the batch."""
+        model.batch_invariant = batch_invariant
         self.model = model
         self.cfg = cfg = model.cfg
         self.block_size = cache.block_size
@@ -68,6 +106,12 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         model.bind_kv_cache(self.kv_caches)
+        if batch_invariant and not model.plan.batch_invariant:
+            raise InvalidRequestError(
+                "batch_invariant needs the C++ layer stack with a row kernel for every linear "
+                "(bf16 or FP4 weights on a CPU where the kernels build); this model runs "
+                f"{model.plan.describe()}"
+            )
         self.sampler = Sampler(self.device, seed)
 
     def slots(self, req: Request, start: int, end: int) -> np.ndarray:

@@ -75,6 +75,7 @@ class StepLatencyModel:
         self.refit_every = refit_every
         self._since_fit = 0
         self.solo_steps: deque[float] = deque(maxlen=window)  # one sequence, one token
+        self.calibrating = False  # steps timed now go to the calibration set (calibration.py)
 
     def _regime(self, num_tokens: int) -> str:
         return "small" if num_tokens <= self.small_tokens else "large"
@@ -86,6 +87,13 @@ class StepLatencyModel:
     @property
     def calibration(self) -> list:
         return [p for f in self.fits.values() for p in f.calibration]
+
+    def record(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds: float):
+        """A step's time: into the calibration set while calibrating, else observed live."""
+        if self.calibrating:
+            self.add_calibration(num_seqs, num_tokens, context_tokens, seconds)
+        else:
+            self.observe(num_seqs, num_tokens, context_tokens, seconds)
 
     def observe(self, num_seqs: int, num_tokens: int, context_tokens: int, seconds: float):
         point = (features(num_seqs, num_tokens, context_tokens), seconds)

@@ -1,8 +1,8 @@
 """What a verification tells: the bookkeeping after the target model scored a request's guesses.
 
 The engine appends the tokens the model agrees with (engine.py `_accept`) and rolls its KV back
-past them; this books the verification: the request's own record (spec/state.py), the counters
-(spec/stats.py) and the lane's acceptance estimates (spec/acceptance.py) that size its next
+past them; this books the verification: the request's own record (state.py), the counters
+(stats.py) and the lane's acceptance estimates (acceptance.py) that size its next
 proposals. Pads and the tokens a grammar forces are verified like guesses but not counted.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from expresslane.spec import SpecConfig
-from expresslane.spec.state import SpecState
-from expresslane.spec.stats import SpecStats
+from expresslane.engine.speculation import SpecConfig
+from expresslane.engine.speculation.state import SpecState
+from expresslane.engine.speculation.stats import SpecStats
 
 
 def record_verification(

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from expresslane.spec.acceptance import LaneAcceptance
-from expresslane.spec.ngram import NgramProposer
-from expresslane.spec.proposal import Proposal
+from expresslane.engine.speculation.acceptance import LaneAcceptance
+from expresslane.engine.speculation.ngram import NgramProposer
+from expresslane.engine.speculation.proposal import Proposal
 
 if TYPE_CHECKING:
     from expresslane.engine.request import Request
@@ -43,7 +43,7 @@ class SpecConfig:
     num_tokens: int  # the most guesses per step
     max_batch: int | None  # speculate only while the running batch is at most this
     # each request's guesses follow its acceptance rate, and a lane without a speed target
-    # stops guessing at batch sizes where it is measured not to pay (spec/payoff.py)
+    # stops guessing at batch sizes where it is measured not to pay (payoff.py)
     adaptive: bool = True
     acceptance: LaneAcceptance = field(default_factory=LaneAcceptance)
 

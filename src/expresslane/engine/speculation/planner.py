@@ -1,10 +1,10 @@
 """How many tokens each decoding request guesses in the next step (speculative decoding).
 
 `GuessPlanner.propose` asks each lane's proposer for guesses and sizes them: per request from
-its acceptance rate for the proposal's kind (spec/acceptance.py) and the step-latency model,
+its acceptance rate for the proposal's kind (acceptance.py) and the step-latency model,
 then one common count for the whole batch, so that the verification runs as one uniform
-batch. The guesses go into each request's `req.spec` (spec/state.py); the engine verifies them
-(engine.py `_accept`, spec/verification.py).
+batch. The guesses go into each request's `req.spec` (state.py); the engine verifies them
+(engine.py `_accept`, verification.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from expresslane.engine.request import Request
+from expresslane.engine.speculation import SpecConfig, best_length, expected_tokens, proposal_length
+from expresslane.engine.speculation.payoff import SpecPayoff
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.lanes import Lane
-from expresslane.spec import SpecConfig, best_length, expected_tokens, proposal_length
-from expresslane.spec.payoff import SpecPayoff
 
 MAX_FORCED = 16  # most grammar-forced tokens a request verifies in one step
 
@@ -40,7 +40,7 @@ class GuessPlanner:
         Lanes without a speed target stop guessing while the running batch is past where
         verification pays, or while guessing is measured to be slower than not at this batch
         size (`SpecPayoff`, adaptive lanes). Adaptive lanes choose each request's number of
-        guesses from its acceptance rate for the proposal's kind (spec/acceptance.py) and the
+        guesses from its acceptance rate for the proposal's kind (acceptance.py) and the
         step-latency model (`best_length`): most tokens per second. A free proposer (a lookup)
         is asked for the most guesses and its proposal cut to that length; others are asked
         for that length."""

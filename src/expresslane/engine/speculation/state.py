@@ -1,9 +1,9 @@
 """A request's speculation state: the guesses it verifies next, and its record of past ones.
 
 "Guesses" are the tokens proposed to be verified in the next step, whoever proposed them: an
-n-gram lookup, a draft model (spec/draft.py) or the request's grammar (the tokens it forces).
-The planner (spec/planner.py) fills them, the scheduler cuts them to the step's budget, the
-runner scores them, and the engine's acceptance takes them back (spec/verification.py).
+n-gram lookup, a draft model (draft.py) or the request's grammar (the tokens it forces).
+The planner (planner.py) fills them, the scheduler cuts them to the step's budget, the
+runner scores them, and the engine's acceptance takes them back (verification.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expresslane.spec.acceptance import Tally
+from expresslane.engine.speculation.acceptance import Tally
 
 
 @dataclass
 class SpecState:
     guesses: list[int] = field(default_factory=list)  # tokens to verify in the next step
     guess_probs: torch.Tensor | None = None  # [guesses, vocab]: the q they were drawn from
-    kind: int = 0  # the proposal's kind (spec/proposal.py)
-    padding: int = 0  # filler tokens ending `guesses` (spec/planner.py `uniform`)
+    kind: int = 0  # the proposal's kind (proposal.py)
+    padding: int = 0  # filler tokens ending `guesses` (planner.py `uniform`)
     forced: bool = False  # the guesses are what its grammar forces, not a proposal
     tallies: dict[int, Tally] = field(default_factory=dict)  # verified guesses per kind
     verifications: int = 0  # steps that verified its guesses

@@ -27,11 +27,11 @@ from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
 from expresslane.engine.runner import CacheConfig, ModelRunner
 from expresslane.engine.sampler import greedy_tokens
+from expresslane.engine.speculation.proposal import Proposal
 from expresslane.errors import ModelLoadError
 from expresslane.models import load_model
 from expresslane.models.loader import read_checkpoint
 from expresslane.sampling_params import SamplingParams
-from expresslane.spec.proposal import Proposal
 
 log = logging.getLogger("expresslane.spec")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from expresslane.spec.proposal import Proposal
+from expresslane.engine.speculation.proposal import Proposal
 
 if TYPE_CHECKING:
     from expresslane.engine.request import Request
