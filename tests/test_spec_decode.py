@@ -312,7 +312,8 @@ def test_a_batch_verifies_one_guess_count_cut_or_padded(llama_dir):
     vocab = engine.model_config.vocab_size
     a.spec.guesses, b.spec.guesses, c.spec.guesses = [7, 8, 9, 10], [11, 12, 13, 14], [15]
     c.spec.guess_probs = torch.full((1, vocab), 1.0 / vocab)
-    engine.speculation.planner.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
+    planner = engine.speculation.planner
+    planner.uniform(engine.scheduler.running, None)  # no step costs yet: the median, 4
     assert a.spec.guesses == [7, 8, 9, 10] and b.spec.guesses == [11, 12, 13, 14]
     assert c.spec.guesses == [15] * 4 and c.spec.padding == 3
     assert (

@@ -1,4 +1,10 @@
-"""Lanes: how each service tier is scheduled and priced.
+"""Lanes, the one owner of service tiers: their names and the API's aliases for them, each
+lane's settings (batch, price, target, speculation), which lanes are served, their capacity,
+the downgrade policy, and the count of requests in flight per lane.
+
+Names: the API says `service_tier`, everything past admission says `lane`; `lane_for` is the
+one mapping (a canonical tier's name is its lane's name, which the API echoes as the tier
+that served a request).
 
 One model serves three lanes. A lane's `rank` is its scheduling priority: lower ranks are
 scheduled first (the vLLM convention), so `ultrafast` (0) runs before `default` (1) and `flex` (2).
@@ -10,11 +16,30 @@ configured in the `[lanes.NAME]` tables of the config file.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
+from typing import Literal, Protocol
 
 from expresslane.errors import InvalidRequestError
 
 LANE_NAMES = ("ultrafast", "default", "flex")
+
+# What a request's `service_tier` may say: a lane's name, an alias of one, or `auto` (or no
+# tier): the caller's default, which the API key's plan sets.
+TierName = Literal["auto", "default", "flex", "ultrafast", "priority", "fast", "standard", "scale"]
+ALIASES = {
+    "priority": "ultrafast",
+    "fast": "ultrafast",
+    "standard": "default",
+    "scale": "default",
+}
+
+
+def lane_for(service_tier: str | None, default_lane: str = "default") -> str:
+    """The lane a `service_tier` names (`default_lane` for `auto` or none)."""
+    if service_tier is None or service_tier == "auto":
+        return default_lane
+    return ALIASES.get(service_tier, service_tier)
 
 
 @dataclass(frozen=True)
@@ -82,3 +107,96 @@ def build_lanes(overrides: dict | None) -> dict[str, Lane]:
     if not lanes["default"].enabled:
         raise InvalidRequestError("the default lane cannot be disabled")
     return lanes
+
+
+def served(lanes: dict[str, Lane]) -> list[str]:
+    """The lanes served here (enabled), best rank first."""
+    return [la.name for la in sorted(lanes.values(), key=lambda la: la.rank) if la.enabled]
+
+
+def is_served(lanes: dict[str, Lane], name: str) -> bool:
+    lane = lanes.get(name)
+    return lane is not None and lane.enabled
+
+
+def queue_capacity(lane: Lane, queued: int | None = None) -> int:
+    """Requests of a lane that may be running or waiting: its max batch plus `queued`
+    waiting (None: as many again as its max batch)."""
+    return lane.max_batch + (lane.max_batch if queued is None else queued)
+
+
+# -- the downgrade policy --------------------------------------------------------------------
+
+WhenUnavailable = Literal["queue", "downgrade", "reject"]
+
+
+class Entitlement(Protocol):
+    """What a caller may use (an API key's plan, server/keys.py)."""
+
+    tiers: list[str]  # the lanes it may use
+    default_tier: str  # its lane for `auto`
+    when_unavailable: str  # a `WhenUnavailable`
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes: `lane`, or refused for a `refusal` ("not_served": no such lane
+    here; "not_allowed": the caller may not use it; "at_capacity": full, no lane to go to)."""
+
+    asked: str
+    lane: str | None = None
+    refusal: str | None = None
+
+
+def place(
+    lanes: dict[str, Lane], asked: str, who: Entitlement, load: Callable[[str], int]
+) -> Placement:
+    """The lane that serves a request that asked for the lane `asked`. A lane the caller may
+    not use is refused, or with `downgrade` its default lane serves; a lane with as many
+    requests in flight (`load`) as its max batch queues them, or (`downgrade`) sends the
+    request to the next lane down the caller may use, or (`reject`) refuses it."""
+    if not is_served(lanes, asked):
+        return Placement(asked, refusal="not_served")
+    if asked not in who.tiers:
+        if who.when_unavailable != "downgrade":
+            return Placement(asked, refusal="not_allowed")
+        return Placement(asked, who.default_tier)
+    lane = lanes[asked]
+    if load(asked) < lane.max_batch or who.when_unavailable == "queue":
+        return Placement(asked, asked)
+    lower = [
+        la for la in lanes.values() if la.rank > lane.rank and la.enabled and la.name in who.tiers
+    ]
+    if who.when_unavailable == "reject" or not lower:
+        return Placement(asked, refusal="at_capacity")
+    return Placement(asked, min(lower, key=lambda la: la.rank).name)
+
+
+# -- requests per lane -----------------------------------------------------------------------
+
+
+class LaneCounts:
+    """Requests in flight per lane (an engine's, a fleet ingress's)."""
+
+    def __init__(self, lanes: Iterable[str] = ()):
+        self._counts: dict[str, int] = dict.fromkeys(lanes, 0)
+
+    @classmethod
+    def of(cls, lanes: Iterable[str]) -> LaneCounts:
+        """The count of each lane named in `lanes` (one name per request)."""
+        counts = cls()
+        for lane in lanes:
+            counts.add(lane)
+        return counts
+
+    def add(self, lane: str) -> None:
+        self._counts[lane] = self._counts.get(lane, 0) + 1
+
+    def done(self, lane: str) -> None:
+        self._counts[lane] -= 1
+
+    def __call__(self, lane: str) -> int:
+        return self._counts.get(lane, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._counts)

@@ -23,6 +23,7 @@ from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
+from expresslane.lanes import LaneCounts
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
@@ -66,7 +67,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, calibrate: bool | None = None):
         self.engine = engine
         self._calibrate = engine.config.calibrate if calibrate is None else calibrate
-        self._lane_load: dict[str, int] = {}  # requests in flight per lane
+        self.lane_load = LaneCounts()  # requests submitted and not finished, per lane
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
@@ -113,10 +114,6 @@ class AsyncEngine:
         """Queues, lane targets, speculation counters and KV use, copied now."""
         return self.engine.snapshot()
 
-    def lane_load(self, lane: str) -> int:
-        """Requests of this lane submitted and not finished yet."""
-        return self._lane_load.get(lane, 0)
-
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Validate and enqueue a default-lane request; must be called from a running event
         loop (a shorthand for `enqueue(make_request(Submission(prompt, params)))`)."""
@@ -126,8 +123,8 @@ class AsyncEngine:
         """Validate and tokenize without enqueuing (raises InvalidRequestError)."""
         return self.engine.factory.make(sub)
 
-    def check_placement(self, tier: str, regions: list[str] | None) -> None:
-        """One process serves every tier it has wherever its key may be served."""
+    def check_placement(self, lane: str, regions: list[str] | None) -> None:
+        """One process serves every lane it has wherever its key may be served."""
 
     def enqueue(self, req: Request, regions: list[str] | None = None) -> RequestStream:
         """Hand a request made by `make_request` to the step loop; returns its stream
@@ -137,7 +134,7 @@ class AsyncEngine:
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self._streams[req.request_id] = (stream, asyncio.get_running_loop())
-            self._lane_load[req.lane] = self._lane_load.get(req.lane, 0) + 1
+            self.lane_load.add(req.lane)
         self._inbox.put(("add", req))
         self._wake.set()
         return stream
@@ -164,8 +161,7 @@ class AsyncEngine:
                 entry = self._streams.get(out.request_id)
                 if entry is not None and out.finished:
                     del self._streams[out.request_id]
-                    lane = entry[0].request.lane
-                    self._lane_load[lane] -= 1
+                    self.lane_load.done(entry[0].request.lane)
             if entry is not None:
                 stream, loop = entry
                 with contextlib.suppress(RuntimeError):  # that event loop may be closed

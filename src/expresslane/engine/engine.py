@@ -17,13 +17,13 @@ from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.runner import CacheConfig, ModelRunner, size_kv_cache
 from expresslane.engine.scheduler import ScheduledBatch, Scheduler
-from expresslane.engine.snapshot import EngineSnapshot, per_lane
+from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.speculation.component import Speculation
 from expresslane.engine.speculation.payoff import StepGuesses
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
-from expresslane.lanes import build_lanes
+from expresslane.lanes import LaneCounts, build_lanes
 from expresslane.models import load_model
 from expresslane.models.config import ModelConfig
 from expresslane.sampling_params import SamplingParams
@@ -91,8 +91,8 @@ class LLMEngine:
         """A copy of what the server reports (server/metrics.py); safe from another thread:
         it copies the scheduler's lists before counting."""
         return EngineSnapshot(
-            per_lane(list(self.scheduler.running)),
-            per_lane(list(self.scheduler.waiting)),
+            LaneCounts.of(r.lane for r in list(self.scheduler.running)).as_dict(),
+            LaneCounts.of(r.lane for r in list(self.scheduler.waiting)).as_dict(),
             self.targets.per_request(),
             self.speculation.counts(),
             self.kv.num_used_blocks,

@@ -42,15 +42,16 @@ class ServingEngine(Protocol):
     def make_request(self, sub: Submission) -> Request:
         """Validate and tokenize (raises InvalidRequestError; `RequestFactory.make`)."""
 
-    def check_placement(self, tier: str, regions: list[str] | None) -> None:
-        """Raise (an APIError) when the tier cannot be served in any of the regions."""
+    def check_placement(self, lane: str, regions: list[str] | None) -> None:
+        """Raise (an APIError) when the lane cannot be served in any of the regions."""
 
     def enqueue(self, req: Request, regions: list[str] | None = None) -> OutputStream:
         """Start a request made by `make_request` in one of the regions (None: any); must be
         called from the event loop."""
 
     def abort(self, request_id: str) -> None: ...
-    def lane_load(self, lane: str) -> int: ...
+    def lane_load(self, lane: str) -> int:
+        """Requests of this lane submitted and not finished yet (a `lanes.LaneCounts`)."""
     def is_alive(self) -> bool: ...
     def grammar_literal(self, text: str) -> str: ...
     def snapshot(self) -> EngineSnapshot: ...

@@ -16,7 +16,7 @@ from expresslane.engine.output import TextState
 from expresslane.engine.request import Request
 from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
-from expresslane.lanes import Lane
+from expresslane.lanes import Lane, is_served, served
 from expresslane.models.config import ModelConfig
 from expresslane.tokenizer import Tokenizer
 
@@ -81,11 +81,10 @@ class RequestFactory:
     def make(self, sub: Submission) -> Request:
         """Validate and tokenize; raises InvalidRequestError."""
         lane, cache_salt, request_id = sub.lane, sub.cache_salt, sub.request_id
-        served = self.lanes.get(lane)
-        if served is None or not served.enabled:
-            enabled = [name for name, la in self.lanes.items() if la.enabled]
+        if not is_served(self.lanes, lane):
             raise InvalidRequestError(
-                f"the {lane!r} lane is not served here; lanes: {enabled}", param="service_tier"
+                f"the {lane!r} lane is not served here; lanes: {served(self.lanes)}",
+                param="service_tier",
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")

@@ -3,12 +3,7 @@ thread never walks the scheduler's lists while the step loop changes them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from expresslane.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -29,10 +24,3 @@ class EngineSnapshot:
     # a fleet's ingress: requests it routed per (pool, replica, tier) since it started
     routed: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
-
-def per_lane(reqs: Iterable[Request]) -> dict[str, int]:
-    """Requests per lane."""
-    counts: dict[str, int] = {}
-    for req in reqs:
-        counts[req.lane] = counts.get(req.lane, 0) + 1
-    return counts

@@ -26,7 +26,7 @@ from expresslane.engine.submission import Submission
 from expresslane.errors import ExpresslaneError
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.router import prefix_hashes
-from expresslane.lanes import LANE_NAMES, build_lanes
+from expresslane.lanes import LANE_NAMES, LaneCounts, build_lanes
 from expresslane.model_source import resolve_model
 from expresslane.models.config import ModelConfig
 from expresslane.server.errors import APIError
@@ -185,7 +185,7 @@ class FleetEngine:
         self.ready.set()
         self._streams: dict[str, FleetStream] = {}
         self._pool_load: dict[str, int] = dict.fromkeys(spec.pools, 0)
-        self._lane_load: dict[str, int] = {}
+        self.lane_load = LaneCounts()  # requests in flight per lane
         self._routed: dict[tuple[str, str, str], int] = {}  # (pool, replica, tier) -> requests
 
     # -- what the server reads ---------------------------------------------------------------
@@ -202,12 +202,9 @@ class FleetEngine:
     def is_alive(self) -> bool:
         return True
 
-    def lane_load(self, lane: str) -> int:
-        return self._lane_load.get(lane, 0)
-
     def snapshot(self) -> EngineSnapshot:
         """What this ingress has in flight (the replicas' own queues are theirs)."""
-        return EngineSnapshot(running=dict(self._lane_load), routed=dict(self._routed))
+        return EngineSnapshot(running=self.lane_load.as_dict(), routed=dict(self._routed))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for stream in list(self._streams.values()):
@@ -235,9 +232,9 @@ class FleetEngine:
 
         return sorted(pools, key=rank)
 
-    def check_placement(self, tier: str, regions: list[str] | None) -> None:
-        """403 when no pool of the tier is in a region the key may use."""
-        self._placed(tier, regions)
+    def check_placement(self, lane: str, regions: list[str] | None) -> None:
+        """403 when no pool of the lane's tier is in a region the key may use."""
+        self._placed(lane, regions)
 
     def _placed(self, tier: str, regions: list[str] | None) -> list[PoolSpec]:
         """`pools_for`, or the 403 of `check_placement` when there are none."""
@@ -271,7 +268,7 @@ class FleetEngine:
             routes.append(stream.route)
         self._streams[req.request_id] = stream
         self._pool_load[pool.name] += 1
-        self._lane_load[req.lane] = self._lane_load.get(req.lane, 0) + 1
+        self.lane_load.add(req.lane)
         stream.start()
         return stream
 
@@ -286,7 +283,7 @@ class FleetEngine:
     def done(self, stream: FleetStream) -> None:
         if self._streams.pop(stream.request_id, None) is not None:
             self._pool_load[stream.route.pool] -= 1
-            self._lane_load[stream.request.lane] -= 1
+            self.lane_load.done(stream.request.lane)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

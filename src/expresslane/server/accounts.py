@@ -20,14 +20,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from expresslane.lanes import LANE_NAMES, Lane
+from expresslane.lanes import LANE_NAMES, Lane, lane_for, place, queue_capacity, served
 from expresslane.server.database import connect
 from expresslane.server.errors import APIError
 from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
 from expresslane.server.shared_limits import SharedRateLimiter
-from expresslane.server.tiers import canonical_tier
 
 log = logging.getLogger("expresslane.server")
 # The key given with `serve --api-key` (as vLLM takes it): every tier, no limits.
@@ -37,8 +36,8 @@ SERVER_KEY = ApiKey("api-key", "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
 @dataclass
 class Ticket:
     key: ApiKey
-    tier_requested: str
-    tier: str  # the tier that serves it (echoed in the response)
+    tier_requested: str  # the lane its service_tier named (`lanes.lane_for`)
+    lane: str  # the lane that serves it (echoed as the response's service_tier)
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
     # what the request's generations used (summed over its choices), for its log line
     usage: dict[str, float] = field(default_factory=dict)
@@ -71,7 +70,7 @@ class QueueLimits:
     per_key: int | None = 256
 
     def lane_capacity(self, lane: Lane) -> int:
-        return lane.max_batch + (lane.max_batch if self.per_lane is None else self.per_lane)
+        return queue_capacity(lane, self.per_lane)
 
 
 class Accounts:
@@ -125,47 +124,39 @@ class Accounts:
         )
 
     def admit(self, key: ApiKey, service_tier: str | None, lane_load) -> Ticket:
-        """Decide the serving tier; raises 403/429 APIErrors. `lane_load(tier)` counts the
-        requests of that lane in flight."""
+        """Decide the lane that serves a request (the policy is `lanes.place`); raises
+        400/403/429 APIErrors. `lane_load(lane)` counts the requests of that lane in flight."""
         plan = key.plan
-        asked = canonical_tier(service_tier, plan.default_tier)
-        tier = asked
-        lane = self.lanes.get(asked)
-        if lane is None or not lane.enabled:
-            offered = [n for n, la in self.lanes.items() if la.enabled]
+        placed = place(self.lanes, lane_for(service_tier, plan.default_tier), plan, lane_load)
+        asked = placed.asked
+        if placed.refusal == "not_served":
             raise APIError(
                 400,
-                f"The '{asked}' service tier is not offered by this server; it offers {offered}.",
+                f"The '{asked}' service tier is not offered by this server; it offers "
+                f"{served(self.lanes)}.",
                 param="service_tier",
                 code="unsupported_service_tier",
             )
-        if asked not in plan.tiers:
-            if plan.when_unavailable != "downgrade":
-                raise APIError(
-                    403,
-                    f"This API key may not use the '{asked}' service tier; it may use "
-                    f"{plan.tiers}. Ask for one of those, or for 'auto'.",
-                    param="service_tier",
-                    code="tier_not_allowed",
-                )
-            tier = plan.default_tier
-        elif lane_load(asked) >= lane.max_batch and plan.when_unavailable != "queue":
-            lower = [
-                la
-                for la in self.lanes.values()
-                if la.rank > lane.rank and la.enabled and la.name in plan.tiers
-            ]
-            if plan.when_unavailable == "reject" or not lower:
-                raise self._busy(
-                    key,
-                    asked,
-                    lane.max_batch,
-                    f"The '{asked}' tier is at capacity ({lane.max_batch} requests in "
-                    "flight); retry shortly, or use another tier.",
-                    "tier_at_capacity",
-                )
-            tier = min(lower, key=lambda la: la.rank).name  # the next lane down
-        self._check_queues(key, tier, lane_load)
+        if placed.refusal == "not_allowed":
+            raise APIError(
+                403,
+                f"This API key may not use the '{asked}' service tier; it may use "
+                f"{plan.tiers}. Ask for one of those, or for 'auto'.",
+                param="service_tier",
+                code="tier_not_allowed",
+            )
+        if placed.refusal == "at_capacity":
+            most = self.lanes[asked].max_batch
+            raise self._busy(
+                key,
+                asked,
+                most,
+                f"The '{asked}' tier is at capacity ({most} requests in flight); retry "
+                "shortly, or use another tier.",
+                "tier_at_capacity",
+            )
+        lane = placed.lane
+        self._check_queues(key, lane, lane_load)
         if plan.monthly_tokens is not None:
             used = self.ledger.tokens_since(key.id, month_start())
             if used >= plan.monthly_tokens:
@@ -175,9 +166,9 @@ class Accounts:
                     f"({used} used this month); it renews on the 1st (UTC).",
                     code="insufficient_quota",
                     type="insufficient_quota",
-                    headers={"x-should-retry": "false", **self._quota_headers(key, tier)},
+                    headers={"x-should-retry": "false", **self._quota_headers(key, lane)},
                 )
-        return Ticket(key, asked, tier)
+        return Ticket(key, asked, lane)
 
     def _quota_headers(self, key: ApiKey, tier: str) -> dict[str, str]:
         limits = key.plan.limits_for(tier)
@@ -190,8 +181,8 @@ class Accounts:
 
     def saturated(self, lane_load) -> bool:
         """Whether every enabled lane's queue is full (no request could be admitted)."""
-        lanes = [lane for lane in self.lanes.values() if lane.enabled]
-        return all(lane_load(la.name) >= self.queue_limits.lane_capacity(la) for la in lanes)
+        capacity = self.queue_limits.lane_capacity
+        return all(lane_load(name) >= capacity(self.lanes[name]) for name in served(self.lanes))
 
     def _check_queues(self, key: ApiKey, tier: str, lane_load) -> None:
         """429 instead of an unbounded wait: the lane's queue is full, or the key has as
@@ -232,14 +223,14 @@ class Accounts:
     def charge(self, ticket: Ticket, tokens: int, requests: int = 1) -> None:
         """Take one request and `tokens` (an estimate) from the served tier's limits; the
         key then has `requests` more in flight until `finish` is called for each."""
-        limits = ticket.key.plan.limits_for(ticket.tier)
-        d = self.limiter.take(ticket.key.id, ticket.tier, limits.rpm, limits.tpm, tokens)
+        limits = ticket.key.plan.limits_for(ticket.lane)
+        d = self.limiter.take(ticket.key.id, ticket.lane, limits.rpm, limits.tpm, tokens)
         ticket.headers = d.headers
         if not d.allowed:
             per = {"requests": limits.rpm, "tokens": limits.tpm}[d.limit]
             raise APIError(
                 429,
-                f"Rate limit reached for the '{ticket.tier}' tier on {d.limit} per minute: "
+                f"Rate limit reached for the '{ticket.lane}' tier on {d.limit} per minute: "
                 f"limit {per}, requested {1 if d.limit == 'requests' else tokens}. Please try "
                 f"again in {d.retry_after * 1000:.0f}ms.",
                 code="rate_limit_exceeded",
@@ -269,10 +260,10 @@ class Accounts:
             self.in_flight[ticket.key.id] = left
         else:
             self.in_flight.pop(ticket.key.id, None)
-        self.limiter.settle(ticket.key.id, ticket.tier, estimated_tokens, used)
+        self.limiter.settle(ticket.key.id, ticket.lane, estimated_tokens, used)
         tokens = (input_tokens, cached_tokens, output_tokens)
         ticket.add_usage(tokens, timings)
-        ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.tier, model)
+        ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.lane, model)
         self.ledger.record(self._row(*ids, status, *tokens, timings))
 
     def _row(

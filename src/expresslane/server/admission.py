@@ -78,7 +78,7 @@ class Admission:
                 prompt,
                 params,
                 request_id,
-                self.ticket.tier,
+                self.ticket.lane,
                 add_special_tokens,
                 prefix_salt(self.state, self.ticket, self.cache_salt),
             )

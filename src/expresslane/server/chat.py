@@ -54,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "created": int(time.time()),
         "model": admitted.model,
         "system_fingerprint": None,
-        "service_tier": admitted.ticket.tier,
+        "service_tier": admitted.ticket.lane,
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -205,7 +205,7 @@ async def completions(body: CompletionRequest, request: Request):
         "created": int(time.time()),
         "model": admitted.model,
         "system_fingerprint": None,
-        "service_tier": admitted.ticket.tier,  # not in OpenAI's legacy schema; echoed as in Chat
+        "service_tier": admitted.ticket.lane,  # not in OpenAI's legacy schema; echoed as in Chat
     }
 
     if body.stream:

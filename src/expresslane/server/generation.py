@@ -93,7 +93,7 @@ class Generation:
         # n choices of one prompt bill the prompt once, as the usage they report does
         self.bills_prompt = bills_prompt
         self.ticket = ticket
-        self.tier = ticket.tier
+        self.lane = ticket.lane
         self.request = req
         self.request_id = req.request_id
         self.estimate = estimate  # tokens charged to the rate limit up front
@@ -113,12 +113,12 @@ class Generation:
                 if self.first_token is None:
                     self.first_token = now
                 elif last is not None:
-                    metrics.observe_gap(self.tier, now - last, len(out.new_token_ids))
+                    metrics.observe_gap(self.lane, now - last, len(out.new_token_ids))
                 last = now
             self.last = out
             if out.finished:
                 self.final = out
-                metrics.observe_finished(self.tier, self.received, self.first_token, now, out)
+                metrics.observe_finished(self.lane, self.received, self.first_token, now, out)
                 self._meter(out.finish_reason or "stop", now)
             yield out
 
@@ -129,7 +129,7 @@ class Generation:
         if self.final is None and not self.aborted:
             self.aborted = True
             self.state.engine.abort(self.request_id)
-            self.state.metrics.observe_aborted(self.tier, self.last)
+            self.state.metrics.observe_aborted(self.lane, self.last)
             self._meter(status, time.perf_counter())
 
     def _meter(self, status: str, now: float) -> None:

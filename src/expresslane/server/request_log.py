@@ -82,7 +82,7 @@ def request_fields(scope: Scope, status: int, seconds: float) -> dict:
     ticket = state.get("ticket")
     if ticket is not None:
         fields["tier_requested"] = ticket.tier_requested
-        fields["tier"] = ticket.tier
+        fields["tier"] = ticket.lane
         usage = getattr(ticket, "usage", None) or {}
         fields.update({k: round(v, 4) if isinstance(v, float) else v for k, v in usage.items()})
         decode_s, out = usage.get("decode_s"), usage.get("output_tokens")

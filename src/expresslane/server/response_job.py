@@ -87,7 +87,7 @@ class ResponseJob:
     def origin(self) -> Origin:
         t = self.gen.ticket
         return Origin(
-            t.owner, t.key.id, t.tier_requested, t.tier, self.state.model_name, self.gen.request_id
+            t.owner, t.key.id, t.tier_requested, t.lane, self.state.model_name, self.gen.request_id
         )
 
     async def start(self, announced: bool = True) -> asyncio.Task:
@@ -372,7 +372,7 @@ async def create_job(
         p.engine_req.request_id,
         req,
         model=admitted.model,
-        tier=admitted.ticket.tier,
+        tier=admitted.ticket.lane,
         tools=p.tools,
         tool_choice=p.choice,
         store=store,

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from expresslane.lanes import TierName
 from expresslane.server.errors import invalid
-from expresslane.server.tiers import TierName
 
 
 class Strict(BaseModel):

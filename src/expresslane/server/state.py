@@ -100,7 +100,7 @@ class ServerState:
         """The ticket of a request of this key (HTTP or WebSocket): its served tier, which
         the engine must be able to place in the key's regions."""
         ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
-        self.engine.check_placement(ticket.tier, ticket.regions)
+        self.engine.check_placement(ticket.lane, ticket.regions)
         return ticket
 
 
