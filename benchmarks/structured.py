@@ -14,9 +14,9 @@ import time
 from expresslane.config import EngineConfig
 from expresslane.demo import demo_model_dir
 from expresslane.engine.engine import LLMEngine
-from expresslane.grammars import json_schema, tool_calls
 from expresslane.sampling_params import SamplingParams
-from expresslane.tool_parsers import HermesToolParser
+from expresslane.server.grammars import json_schema, tool_calls
+from expresslane.server.tool_parsers import HermesToolParser
 
 # a long answer of a fixed shape: every request writes `--tokens` tokens, free or constrained
 SCHEMA = {

@@ -141,7 +141,7 @@ def test_bad_config_values(capsys, tmp_path, toml, says):
 
 
 def test_flags_win_over_the_config_file_even_at_their_defaults(tmp_path, monkeypatch):
-    import expresslane.server.serve as serve_module
+    import expresslane.cli.serving as serve_module
 
     loaded = []
     monkeypatch.setattr(serve_module, "_load", loaded.append)  # returns None: serve stops
@@ -161,7 +161,7 @@ def test_flags_win_over_the_config_file_even_at_their_defaults(tmp_path, monkeyp
 
 
 def test_busy_port_is_found_before_the_model_loads(capsys, monkeypatch):
-    import expresslane.server.serve as serve_module
+    import expresslane.cli.serving as serve_module
 
     monkeypatch.setattr(serve_module, "_load", lambda config: pytest.fail("model loaded"))
     with socket.socket() as busy:

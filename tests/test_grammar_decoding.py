@@ -17,10 +17,10 @@ from expresslane.config import EngineConfig
 from expresslane.demo import demo_model_dir
 from expresslane.engine.engine import LLMEngine
 from expresslane.errors import InvalidRequestError
-from expresslane.grammars import json_schema, tool_calls
 from expresslane.sampling_params import Grammar, SamplingParams
+from expresslane.server.grammars import json_schema, tool_calls
 from expresslane.server.prompt import render, template_tools
-from expresslane.tool_parsers import HermesToolParser
+from expresslane.server.tool_parsers import HermesToolParser
 
 SPECULATION = {
     "plain": None,  # no guesses at all, not even the tokens a grammar forces

@@ -7,9 +7,13 @@ import pytest
 
 from expresslane.demo import demo_model_dir
 from expresslane.engine.grammar import GrammarMatchers
-from expresslane.grammars import MAX_INDENT, json_schema, tool_calls
+from expresslane.server.grammars import MAX_INDENT, json_schema, tool_calls
+from expresslane.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+)
 from expresslane.tokenizer import Tokenizer
-from expresslane.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser
 
 TOOLS = [
     {

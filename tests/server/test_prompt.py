@@ -17,9 +17,9 @@ from expresslane.server.prompt import (
     responses_input,
     template_tools,
 )
+from expresslane.server.tool_parsers import HermesToolParser
 from expresslane.server.tool_prompt import ToolPromptTokenizer, tools_prompt
 from expresslane.tokenizer import Tokenizer
-from expresslane.tool_parsers import HermesToolParser
 
 TOOLS = [
     {

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from expresslane.tool_parsers import (
+from expresslane.server.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,

@@ -32,7 +32,7 @@ from expresslane.server.request_log import RequestLog
 from expresslane.server.settings import ServerSettings
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.store import ResponseStore
-from expresslane.tool_parsers import detect_tool_parser, get_tool_parser
+from expresslane.server.tool_parsers import detect_tool_parser, get_tool_parser
 
 log = logging.getLogger("expresslane.server")
 DEMO_MODEL_NAME = "expresslane-demo"

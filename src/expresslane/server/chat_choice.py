@@ -6,7 +6,7 @@ from __future__ import annotations
 from expresslane.engine.output import RequestOutput
 from expresslane.server.errors import generation_error
 from expresslane.server.logprobs import chat_logprobs
-from expresslane.tool_parsers import ToolCall, ToolParser
+from expresslane.server.tool_parsers import ToolCall, ToolParser
 
 
 class Choice:

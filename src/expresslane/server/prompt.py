@@ -15,7 +15,7 @@ from typing import Any
 
 from expresslane.errors import ExpresslaneError
 from expresslane.server.errors import from_engine_error, invalid
-from expresslane.tool_parsers import ToolCall
+from expresslane.server.tool_parsers import ToolCall
 
 TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}

@@ -17,7 +17,7 @@ from expresslane.engine.output import RequestOutput
 from expresslane.server.logprobs import chat_logprobs
 from expresslane.server.prompt import new_id
 from expresslane.server.schemas import ResponseCreateRequest
-from expresslane.tool_parsers import ToolCall, ToolCallStreamer
+from expresslane.server.tool_parsers import ToolCall, ToolCallStreamer
 
 
 def base_response(

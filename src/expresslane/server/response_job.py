@@ -37,8 +37,8 @@ from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
+from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.truncation import fit
-from expresslane.tool_parsers import ToolParser
 
 log = logging.getLogger("expresslane.server")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -17,8 +17,8 @@ from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.settings import ServerSettings
 from expresslane.server.store import ResponseStore
+from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.tool_prompt import ToolPromptTokenizer
-from expresslane.tool_parsers import ToolParser
 
 
 @dataclass

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expresslane.grammars import json_schema, tool_calls
 from expresslane.sampling_params import Grammar
 from expresslane.server.errors import invalid
+from expresslane.server.grammars import json_schema, tool_calls
 from expresslane.server.state import ServerState
-from expresslane.tool_parsers import ToolParser
+from expresslane.server.tool_parsers import ToolParser
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from expresslane.errors import ExpresslaneError
-from expresslane.grammars import CallMarkup
+from expresslane.server.grammars import CallMarkup
 
 TOOLS_PROMPT = """# Tools
 

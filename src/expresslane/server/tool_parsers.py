@@ -24,7 +24,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from expresslane.grammars import CallMarkup
+from expresslane.server.grammars import CallMarkup
 
 
 def new_call_id() -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from expresslane.cli_types import LOG_LEVELS, existing_file, non_negative_int, origins, port
+from expresslane.cli.arg_types import LOG_LEVELS, existing_file, non_negative_int, origins, port
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from expresslane.cli_engine import engine_options
-    from expresslane.server.serve import serve
+    from expresslane.cli.engine import engine_options
+    from expresslane.cli.serving import serve
 
     return serve(args, engine_options(args))
 

@@ -8,7 +8,7 @@ import json
 import signal
 import threading
 
-from expresslane.cli_types import fail, positive_float
+from expresslane.cli.arg_types import fail, positive_float
 
 PROG = "expresslane cluster"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from expresslane.cli_engine import add_engine_args, engine_options
-from expresslane.cli_types import (
+from expresslane.cli.arg_types import (
     Parser,
     fail,
     non_negative_int,
     positive_int,
 )
+from expresslane.cli.engine import add_engine_args, engine_options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -61,10 +61,10 @@ def _add_generate_command(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     # Every command's module is light: what loads torch is imported inside the commands.
     from expresslane.bench.cli import add_bench_command
-    from expresslane.cli_accounts import add_account_commands
-    from expresslane.cli_cluster import add_cluster_command
-    from expresslane.cli_quant import add_perplexity_command, add_quantize_command
-    from expresslane.cli_serve import add_serve_command
+    from expresslane.cli.accounts import add_account_commands
+    from expresslane.cli.cluster import add_cluster_command
+    from expresslane.cli.quant import add_perplexity_command, add_quantize_command
+    from expresslane.cli.serve import add_serve_command
 
     parser = Parser(prog="expresslane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from expresslane.cli_types import LOG_LEVELS, fail, model_dir_problem
+from expresslane.cli.arg_types import LOG_LEVELS, fail, model_dir_problem
 from expresslane.server.preflight import bind, check_types, device_problem
 from expresslane.server.request_log import configure_logging
 from expresslane.server.settings import ServerSettings, engine_options_from_toml
@@ -20,7 +20,7 @@ UVICORN_GRACE_S = 2.0
 
 
 def merged_engine_options(args, cli_options: dict) -> dict:
-    """Config-file [engine] values, overridden by the flags given (`cli_engine.py`)."""
+    """Config-file [engine] values, overridden by the flags given (`cli/engine.py`)."""
     options = engine_options_from_toml(getattr(args, "config", None))
     for key, value in cli_options.items():
         if key == "lanes":  # per setting: flags over the file

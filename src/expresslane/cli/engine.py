@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from expresslane.cli_types import (
+from expresslane.cli.arg_types import (
     DTYPES,
     lane_setting,
     model_dir,
