@@ -15,7 +15,7 @@ from expresslane.sampling_params import SamplingParams
 class Submission:
     """A request before validation. `prompt` is text (tokenized with `add_special_tokens`)
     or token ids; `lane` the engine lane that serves it (the API's service tier, resolved by
-    server/tiers.py); requests share cached prompt prefixes only with requests of the same
+    `lanes.lane_for`); requests share cached prompt prefixes only with requests of the same
     `cache_salt` (None: with every request without one; the server folds the owner in)."""
 
     prompt: str | list[int]

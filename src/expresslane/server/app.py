@@ -1,4 +1,4 @@
-"""The FastAPI app (`create_app`); `expresslane serve` is `serve.py`.
+"""The FastAPI app (`create_app`); `expresslane serve` is `cli/serving.py`.
 
 Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/models,
 /health (alive), /ready (taking work: 503 while starting or draining), /metrics, the
