@@ -23,4 +23,3 @@ class EngineSnapshot:
     kv_total_blocks: int = 0
     # a fleet's ingress: requests it routed per (pool, replica, tier) since it started
     routed: dict[tuple[str, str, str], int] = field(default_factory=dict)
-
