@@ -4,7 +4,7 @@
 1. the model is checked (404, `ServerState.check_model`);
 2. the model's generation-config defaults fill the sampling fields the body leaves unset;
 3. the endpoint's own checks run (sizes, field combinations), before any work;
-4. the key is admitted to a tier (`accounts.py`: entitlement, rate limits, queue bounds);
+4. the key is admitted to a lane (`accounts.py`: entitlement, rate limits, queue bounds);
 5. the endpoint renders its prompts and makes each engine request through `Admission.make`:
    the rules for every request (`check_request`) apply, then the engine validates and
    tokenizes the `Submission` (its errors name the API's fields: `errors.API_FIELDS`);
@@ -132,7 +132,7 @@ async def admit_and_submit(
     model = state.check_model(body.model)
     body = with_model_defaults(body, state.engine.sampling_defaults)
     chars = endpoint.check(state, body)
-    ticket = state.admit_key(key, body.service_tier)
+    ticket = state.admit(key, body.service_tier)
     if http is not None:
         http.state.ticket = ticket
     admission = Admission(state, ticket, endpoint.api(body), body.cache_salt, chars)

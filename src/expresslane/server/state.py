@@ -89,16 +89,9 @@ class ServerState:
             code="model_not_found",
         )
 
-    def admit(self, request: Request, service_tier: str | None) -> Ticket:
-        """Decide the tier that serves this HTTP request (see `accounts.py`); the ticket's
-        rate-limit headers go on the response."""
-        ticket = self.admit_key(request.state.api_key, service_tier)  # key: AuthMiddleware's
-        request.state.ticket = ticket
-        return ticket
-
-    def admit_key(self, key: ApiKey, service_tier: str | None) -> Ticket:
-        """The ticket of a request of this key (HTTP or WebSocket): its served tier, which
-        the engine must be able to place in the key's regions."""
+    def admit(self, key: ApiKey, service_tier: str | None) -> Ticket:
+        """The ticket of a request of this key (HTTP or WebSocket; `admission.py`): the lane
+        that serves it, which the engine must be able to place in the key's regions."""
         ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
         self.engine.check_placement(ticket.lane, ticket.regions)
         return ticket
