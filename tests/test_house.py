@@ -115,6 +115,28 @@ def test_no_package_circles():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+# All the server may import of the engine: the `ServingEngine` protocol and what crosses it.
+ENGINE_SEAM = {
+    "expresslane.engine.protocol",
+    "expresslane.engine.submission",
+    "expresslane.engine.output",
+    "expresslane.engine.snapshot",
+}
+
+
+def test_server_sees_the_engine_only_through_its_protocol():
+    mods = sources()
+    known = set(mods)
+    crossing = {
+        f"{name} -> {dep}"
+        for name, path in mods.items()
+        if name.startswith("expresslane.server.")
+        for dep in imports(path, name, known)
+        if package_of(dep) == "expresslane.engine" and dep not in ENGINE_SEAM
+    }
+    assert crossing == set()
+
+
 def test_no_writes_to_private_attributes_of_others():
     """`x._name = ...` only for `self` or `cls`: an object's private state is its own."""
     found = []

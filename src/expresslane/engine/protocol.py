@@ -8,15 +8,35 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from expresslane.engine.output import RequestOutput
-from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
 from expresslane.lanes import Lane
+from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 
+class PreparedRequest(Protocol):
+    """What the server may read of a request `make_request` made, to hand to `enqueue` (the
+    engine's `Request` is one; nothing outside the engine changes it)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def lane(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams:
+        """Its sampling parameters as validated (`engine/admission.py`)."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+
 class OutputStream(Protocol):
-    request: Request
+    """A started request's outputs, one per engine step that changed it."""
+
+    request_id: str
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
@@ -39,13 +59,13 @@ class ServingEngine(Protocol):
         """SamplingParams fields from the model's generation config, for requests that do not
         set them (`request_factory.SAMPLING_DEFAULTS`)."""
 
-    def make_request(self, sub: Submission) -> Request:
+    def make_request(self, sub: Submission) -> PreparedRequest:
         """Validate and tokenize (raises InvalidRequestError; `RequestFactory.make`)."""
 
     def check_placement(self, lane: str, regions: list[str] | None) -> None:
         """Raise (an APIError) when the lane cannot be served in any of the regions."""
 
-    def enqueue(self, req: Request, regions: list[str] | None = None) -> OutputStream:
+    def enqueue(self, req: PreparedRequest, regions: list[str] | None = None) -> OutputStream:
         """Start a request made by `make_request` in one of the regions (None: any); must be
         called from the event loop."""
 

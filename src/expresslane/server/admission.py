@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from expresslane.engine.request import Request
+from expresslane.engine.protocol import PreparedRequest
 from expresslane.engine.submission import Submission
 from expresslane.errors import ExpresslaneError, InvalidRequestError
 from expresslane.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ class Built:
     """What an endpoint built once admitted: its engine requests (in groups of `n` choices of
     one prompt) and what it keeps to render their outputs (`extra`)."""
 
-    requests: list[Request]
+    requests: list[PreparedRequest]
     n: int = 1
     extra: Any = None
 
@@ -69,7 +69,7 @@ class Admission:
         params: SamplingParams,
         request_id: str,
         add_special_tokens: bool = True,
-    ) -> Request:
+    ) -> PreparedRequest:
         """Validate and tokenize one prompt for the ticket's lane; errors name the API's
         fields."""
         try:
@@ -93,11 +93,11 @@ class Admission:
         request_id: str,
         add_special_tokens: bool = True,
         chars: int | None = None,
-    ) -> list[Request]:
+    ) -> list[PreparedRequest]:
         """`make` every prompt (`request_id-i`), off the event loop when they hold more than a
         few thousand characters (`chars`, default the admitted prompt's)."""
 
-        def make_each() -> list[Request]:
+        def make_each() -> list[PreparedRequest]:
             return [
                 self.make(prompt, p, f"{request_id}-{i}", add_special_tokens)
                 for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
@@ -171,7 +171,7 @@ def prefix_salt(state: ServerState, ticket: Ticket, cache_salt: str | None) -> s
 
 
 def start(
-    state: ServerState, reqs: list[Request], ticket: Ticket, received: float, n: int = 1
+    state: ServerState, reqs: list[PreparedRequest], ticket: Ticket, received: float, n: int = 1
 ) -> list[Generation]:
     """Charge the rate limit for all the requests, then submit them all (or none). Requests
     come in groups of `n` choices of the same prompt."""

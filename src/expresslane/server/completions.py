@@ -106,8 +106,7 @@ class _Choice:
 
 
 def _prompt_ids(gen) -> list[int]:
-    req = gen.request
-    return req.token_ids[: req.num_prompt_tokens]
+    return gen.request.prompt_token_ids
 
 
 def _usage(choices: list[_Choice], n: int) -> dict:

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from expresslane.engine.output import RequestOutput
-from expresslane.engine.request import Request
+from expresslane.engine.protocol import PreparedRequest
 from expresslane.errors import ExpresslaneError
 from expresslane.sampling_params import SamplingParams
 from expresslane.server.accounts import Ticket
@@ -83,7 +83,7 @@ class Generation:
     def __init__(
         self,
         state: ServerState,
-        req: Request,
+        req: PreparedRequest,
         ticket: Ticket,
         estimate: int,
         received: float,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expresslane.engine.output import RequestOutput
-from expresslane.engine.request import Request as EngineRequest
+from expresslane.engine.protocol import PreparedRequest
 from expresslane.server.admission import Admission, Built, Endpoint, admit_and_submit
 from expresslane.server.durability import ProgressClock, mark_interrupted
 from expresslane.server.errors import database_unavailable, invalid
@@ -267,7 +267,7 @@ def _with_logprobs(req: ResponseCreateRequest) -> bool:
 class Prepared:
     """A validated Responses request, rendered and tokenized, not yet submitted."""
 
-    engine_req: EngineRequest
+    engine_req: PreparedRequest
     items: list[dict]
     context: list[dict]
     new_messages: list[dict]
@@ -317,11 +317,11 @@ async def prepare_request(
     rid = new_id("resp")
     template = template_tools(tools) if parser else None
 
-    def attempt(messages: list[dict]) -> EngineRequest:
+    def attempt(messages: list[dict]) -> PreparedRequest:
         prompt = render(state.tokenizer, messages, template)
         return admission.make(prompt, params, rid, add_special_tokens=False)
 
-    def render_and_make() -> EngineRequest:
+    def render_and_make() -> PreparedRequest:
         messages = system + context + new_messages
         if req.truncation == "auto":
             return fit(messages, attempt, state.max_prompt_chars)
