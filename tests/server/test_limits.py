@@ -268,7 +268,8 @@ def test_requests_the_engine_never_starts_get_429_queue_timeout(llama_dir):
 
 def test_max_output_tokens_holds_for_every_endpoint(engine):
     """A rule for every request (`admission.check_request`), written once: no endpoint may ask
-    for more output tokens than `max_output_tokens`; each error names the endpoint's field."""
+    for more output tokens than `max_output_tokens`; each error names the endpoint's field,
+    and a request that sets no limit gets the server's."""
     settings = ServerSettings(store_path=":memory:", max_output_tokens=20)
     asks = [
         (
@@ -286,9 +287,10 @@ def test_max_output_tokens_holds_for_every_endpoint(engine):
             r = httpx.post(srv.url + path, json={"model": model, **body, field: 21})
             err = check(r, 400, param=field)
             assert f"{field} (21) is more than this server's limit of 20" in err["message"], err
-        at_most = {"input": "x", "ignore_eos": True, "max_output_tokens": 20}
-        r = httpx.post(srv.url + "/v1/responses", json=at_most)
-        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 20, r.text
+        for extra in ({"max_output_tokens": 20}, {}):
+            body = {"input": "x", "ignore_eos": True, **extra}
+            r = httpx.post(srv.url + "/v1/responses", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 20, r.text
 
         async def over_websocket():
             url = srv.url.replace("http", "ws") + "/v1/responses"
