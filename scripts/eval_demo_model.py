@@ -354,7 +354,7 @@ def eval_code_chats(model, tok, functions: list[dict], max_new: int) -> dict:
 def eval_json_mode(model_dir: Path, max_new: int) -> dict:
     """JSON_ASKS through expresslane's engine with the json_object grammar, greedy."""
     from expresslane import LLM, SamplingParams
-    from expresslane.grammars import json_schema
+    from expresslane.server.grammars import json_schema
 
     llm = LLM(str(model_dir), max_model_len=512)
     prompts = [
