@@ -28,7 +28,7 @@ import torch
 from common import machine, save_results
 
 from expresslane import LLM, SamplingParams
-from expresslane.models.gguf_file import KEEP_4BIT_ENV
+from expresslane.gguf_file import KEEP_4BIT_ENV
 
 PROMPT, NEW = 128, 64
 MODES = {"4-bit": "1", "bf16": "0"}  # EXPRESSLANE_GGUF_4BIT

@@ -27,8 +27,8 @@ from common import CACHE, SMOLLM2_135M, machine, random_checkpoint, save_results
 from safetensors import safe_open
 
 from expresslane import LLM, SamplingParams
+from expresslane.checkpoint import quantize_checkpoint
 from expresslane.perplexity import heldout_text, perplexity
-from expresslane.quant.checkpoint import quantize_checkpoint
 
 PROMPT, NEW = 128, 64
 FORMATS = ("nvfp4", "mxfp4")

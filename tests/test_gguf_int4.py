@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from expresslane import LLM, SamplingParams
+from expresslane.gguf_file import KEEP_4BIT_ENV, GgufFile
 from expresslane.kernels import cpu_kernels
 from expresslane.kernels.plan import LinearPath
 from expresslane.model_source import resolve_model
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
-from expresslane.models.gguf_file import KEEP_4BIT_ENV, GgufFile
 from expresslane.models.loader import fuse_weights
 from expresslane.quant.gguf_blocks import int4_from_gguf
 from expresslane.quant.int4 import Int4Weight

@@ -86,12 +86,6 @@ def test_no_import_circles():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-# Package circles known and not yet undone: checkpoint.py reads a GGUF checkpoint through
-# models/gguf_file.py, which the loader in models/ reads checkpoints through checkpoint.py for;
-# undone when the GGUF reading moves beside checkpoint.py (below both models/ and quant/).
-KNOWN_PACKAGE_CIRCLES = {frozenset({"expresslane.checkpoint", "expresslane.models"})}
-
-
 def package_of(module: str) -> str:
     """The top-level package a module belongs to (`expresslane.engine` for every module
     under engine/, its subpackages included), or a top-level module itself."""
@@ -104,7 +98,6 @@ def package_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in mods.items():
         here = package_of(name)
         deps = {package_of(m) for m in imports(path, name, known)} - {here}
-        deps = {d for d in deps if frozenset({here, d}) not in KNOWN_PACKAGE_CIRCLES}
         graph.setdefault(here, set()).update(deps)
     return graph
 

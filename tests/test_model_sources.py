@@ -23,10 +23,10 @@ import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import InvalidRequestError, ModelLoadError
+from expresslane.gguf_file import GgufFile
 from expresslane.model_source import resolve_model
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
-from expresslane.models.gguf_file import GgufFile
 from expresslane.tokenizer import Tokenizer
 
 from .conftest import CHAT_TEMPLATE, VOCAB, random_prompts

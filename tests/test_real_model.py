@@ -10,8 +10,8 @@ import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.checkpoint import read_checkpoint
+from expresslane.gguf_file import KEEP_4BIT_ENV, GgufFile
 from expresslane.model_source import resolve_model
-from expresslane.models.gguf_file import KEEP_4BIT_ENV, GgufFile
 from expresslane.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -1,17 +1,20 @@
 """A Hugging Face checkpoint's tensor files: which there are (one file or the shards its
 index lists, or the GGUF file a `model_source` view links to) and reading them. Shared by the
-model loader, `expresslane quantize` and the draft model, so neither `models/` nor `quant/`
-imports the other for it."""
+model loader, `expresslane quantize` (which writes a quantized copy here) and the draft model,
+so neither `models/` nor `quant/` imports the other for it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from expresslane.errors import ModelLoadError
+from expresslane.quant.checkpoint import DEFAULT_SKIP, quantize_tensors
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -37,7 +40,7 @@ def _missing_note(missing: list[str]) -> str:
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     gguf = Path(model_dir) / "model.gguf"
     if gguf.exists() and not any(Path(model_dir).glob("*.safetensors")):
-        from expresslane.models.gguf_file import GgufFile
+        from expresslane.gguf_file import GgufFile
 
         return GgufFile(gguf).tensors()
     tensors: dict[str, torch.Tensor] = {}
@@ -46,3 +49,17 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 tensors[name] = sf.get_tensor(name)
     return tensors
+
+
+def quantize_checkpoint(src: Path, dst: Path, fmt_name: str, skip=DEFAULT_SKIP) -> dict:
+    """`expresslane quantize`: write an FP4 copy of the checkpoint at `src` to `dst`
+    (`quant.checkpoint.quantize_tensors` over its tensors, its other files copied)."""
+    config = json.loads((src / "config.json").read_text())
+    out, summary = quantize_tensors(read_checkpoint(src), config, fmt_name, tuple(skip))
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
+            shutil.copy2(f, dst / f.name)
+    return summary

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from expresslane.errors import ModelLoadError
-from expresslane.models.gguf_file import GgufFile
+from expresslane.gguf_file import GgufFile
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (

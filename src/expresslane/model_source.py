@@ -87,8 +87,8 @@ def _cache_root() -> Path:
 
 
 def gguf_view(file: Path) -> Path:
+    from expresslane.gguf_file import GgufFile
     from expresslane.gguf_tokenizer import generation_eos, write_tokenizer
-    from expresslane.models.gguf_file import GgufFile
 
     file = file.resolve()
     stat = file.stat()

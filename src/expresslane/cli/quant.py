@@ -11,8 +11,9 @@ from expresslane.names import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from expresslane.checkpoint import quantize_checkpoint
     from expresslane.errors import ModelLoadError
-    from expresslane.quant.checkpoint import DEFAULT_SKIP, quantize_checkpoint
+    from expresslane.quant.checkpoint import DEFAULT_SKIP
 
     src, dst = Path(args.in_dir), Path(args.out_dir)
     if not (src / "config.json").is_file():

@@ -9,14 +9,9 @@ E4M3 bits) and, for NVFP4, `X.weight_tensor_scale` (float32 [1]).
 from __future__ import annotations
 
 import fnmatch
-import json
-import shutil
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.quant.formats import FORMATS, Fp4Tensor, quantize
 from expresslane.quant.int4 import Int4Weight
@@ -77,19 +72,6 @@ def quantize_tensors(
 
 def _widened(t):
     return t.dequantize(torch.bfloat16) if isinstance(t, Int4Weight) else t
-
-
-def quantize_checkpoint(src: Path, dst: Path, fmt_name: str, skip=DEFAULT_SKIP) -> dict:
-    """`expresslane quantize`: write an FP4 copy of the checkpoint at `src` to `dst`."""
-    config = json.loads((src / "config.json").read_text())
-    out, summary = quantize_tensors(read_checkpoint(src), config, fmt_name, tuple(skip))
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
-            shutil.copy2(f, dst / f.name)
-    return summary
 
 
 def read_fp4_weights(raw: dict[str, torch.Tensor], quant_config: dict) -> None:
