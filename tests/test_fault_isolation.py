@@ -16,6 +16,7 @@ from expresslane.config import EngineConfig
 from expresslane.engine.async_engine import AsyncEngine
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.request import Request
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 
 from .conftest import VOCAB, random_prompts
@@ -44,11 +45,13 @@ def good_requests(engine: LLMEngine) -> list[Request]:
     prompts = random_prompts(7, 5, 40, seed=11)
     prompts[0] = prompts[0][:6] * 5  # repeats: n-gram guesses for the ultrafast lane
     reqs = [
-        engine.make_request(p, SamplingParams(max_tokens=24, **GREEDY), f"g{i}", LANES[i % 3])
+        engine.make_request(
+            Submission(p, SamplingParams(max_tokens=24, **GREEDY), f"g{i}", LANES[i % 3])
+        )
         for i, p in enumerate(prompts[:6])
     ]
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
-    reqs.append(engine.make_request(prompts[6], sampled, "seeded", "default"))
+    reqs.append(engine.make_request(Submission(prompts[6], sampled, "seeded", "default")))
     return reqs
 
 
@@ -164,14 +167,14 @@ class FailingForward:
 def test_a_device_fault_fails_the_batch_then_the_engine_serves_again(llama_dir, reference):
     engine = new_engine(llama_dir)
     params = SamplingParams(max_tokens=24, **GREEDY)
-    warm = engine.make_request(random_prompts(1, 40, 41, seed=3)[0], params, "warm")
+    warm = engine.make_request(Submission(random_prompts(1, 40, 41, seed=3)[0], params, "warm"))
     drive(engine, [warm])
     assert engine.kv.cached  # its prompt's blocks are in the prefix cache
     # three requests in one step: it fails, each half fails, each request fails alone
     flaky = FailingForward(engine.runner.model, failures=5)
     engine.runner.model = flaky
     batch = [
-        engine.make_request(p, params, f"b{i}", lane)
+        engine.make_request(Submission(p, params, f"b{i}", lane))
         for i, (p, lane) in enumerate(zip(random_prompts(3, 5, 30, seed=2), LANES, strict=True))
     ]
     for r in batch:
@@ -312,13 +315,13 @@ def llm(llama_dir):
 )
 def test_make_request_checks_what_needs_the_model(llm, kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
-        llm.engine.make_request([5, 6, 7], SamplingParams(**kwargs))
+        llm.engine.make_request(Submission([5, 6, 7], SamplingParams(**kwargs)))
     assert e.value.param == param
 
 
 def test_cache_salt_must_be_a_string(llm):
     with pytest.raises(InvalidRequestError) as e:
-        llm.engine.make_request([5, 6, 7], SamplingParams(), cache_salt=7)
+        llm.engine.make_request(Submission([5, 6, 7], SamplingParams(), cache_salt=7))
     assert e.value.param == "cache_salt"
 
 
@@ -326,7 +329,7 @@ def test_cache_salt_must_be_a_string(llm):
 def test_a_top_k_past_the_vocabulary_is_no_filter(llm, top_k):
     prompt = random_prompts(1, 10, 11, seed=4)[0]
     sp = dict(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
-    req = llm.engine.make_request(prompt, SamplingParams(top_k=top_k, **sp))
+    req = llm.engine.make_request(Submission(prompt, SamplingParams(top_k=top_k, **sp)))
     assert req.params.top_k == 0
     out = llm.generate(prompt, SamplingParams(top_k=top_k, **sp))[0]
     assert out.finish_reason == "length"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from expresslane.config import EngineConfig
 from expresslane.demo import demo_model_dir
 from expresslane.engine.engine import LLMEngine
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 from expresslane.sampling_params import Grammar, SamplingParams
 from expresslane.server.grammars import json_schema, tool_calls
@@ -199,7 +200,7 @@ def test_step_masks_match_a_plain_reference(engines):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     grammar = json_schema(schema, "response_format")
     greedy = SamplingParams(temperature=0.0, grammar=grammar)
-    reqs = [eng.make_request("x", greedy) for _ in range(3)]
+    reqs = [eng.make_request(Submission("x", greedy)) for _ in range(3)]
     history = [[], _tokens(eng, '{"n": 1'), []]  # what each has generated so far
     reqs[1].matcher.consume_tokens(history[1])
     reqs[2].spec.guesses = _tokens(eng, '{"n"') + [7]  # the last guess breaks the grammar

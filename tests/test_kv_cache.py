@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
+from expresslane.engine.submission import Submission
 from expresslane.sampling_params import SamplingParams
 
 
@@ -99,7 +100,7 @@ def test_requests_with_different_salts_share_no_cached_prompt(llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     def run(salt):
-        r = engine.make_request(prompt, params, cache_salt=salt)
+        r = engine.make_request(Submission(prompt, params, cache_salt=salt))
         engine.add(r)
         while engine.has_unfinished():
             engine.step()

@@ -10,6 +10,7 @@ from expresslane import LLM, SamplingParams
 from expresslane.config import EngineConfig
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.step_model import StepLatencyModel, features
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import build_lanes
 
@@ -75,7 +76,7 @@ def test_lane_settings_are_validated(llama_dir):
         build_lanes({"ultrafast": {"solo_fraction": 1.5}})
     engine = _engine(llama_dir, num_kv_blocks=64, lanes={"flex": {"enabled": False}})
     with pytest.raises(InvalidRequestError, match="'flex' lane is not served") as e:
-        engine.make_request([1, 2, 3], SamplingParams(max_tokens=2), lane="flex")
+        engine.make_request(Submission([1, 2, 3], SamplingParams(max_tokens=2), lane="flex"))
     assert e.value.param == "service_tier"
     assert not engine.requests
 

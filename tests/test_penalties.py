@@ -10,6 +10,7 @@ import torch
 from expresslane import LLM, SamplingParams
 from expresslane.engine.penalties import apply_penalties
 from expresslane.engine.request import Request
+from expresslane.engine.submission import Submission
 from expresslane.errors import InvalidRequestError
 
 from .conftest import VOCAB, random_prompts
@@ -168,7 +169,7 @@ def test_bad_values_name_their_field(kwargs, param):
 
 def test_logit_bias_ids_must_be_in_the_vocabulary(llm):
     with pytest.raises(InvalidRequestError) as e:
-        llm.engine.make_request([5, 6], SamplingParams(logit_bias={VOCAB: 1.0}))
+        llm.engine.make_request(Submission([5, 6], SamplingParams(logit_bias={VOCAB: 1.0})))
     assert e.value.param == "logit_bias"
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from expresslane.config import EngineConfig
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.request import Request
+from expresslane.engine.submission import Submission
 from expresslane.sampling_params import SamplingParams
 
 
@@ -67,7 +68,10 @@ class LLM:
         params = params or SamplingParams(**self.engine.factory.sampling_defaults)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         # validate everything before anything runs
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        reqs = [
+            self.engine.make_request(Submission(p, sp))
+            for p, sp in zip(prompts, plist, strict=True)
+        ]
         for req in reqs:
             self.engine.add(req)
         while self.engine.has_unfinished():

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from expresslane.engine.submission import Submission
 from expresslane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def calibrate(engine: LLMEngine) -> None:
             for j in range(b):
                 n = prompt_len * (1 + j % 4)
                 prompt = torch.randint(1, vocab, (n,), generator=rng).tolist()
-                engine.add(engine.make_request(prompt, params, f"calibrate-{i}-{j}"))
+                engine.add(engine.make_request(Submission(prompt, params, f"calibrate-{i}-{j}")))
             while engine.has_unfinished():
                 engine.step()
     finally:

@@ -101,19 +101,9 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        lane: str = "default",
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """Validate and tokenize the `Submission` of these fields (`RequestFactory.make`, for
-        offline callers); touches no engine state, so it is safe to call from another
-        thread."""
-        sub = Submission(prompt, params, request_id, lane, add_special_tokens, cache_salt)
+    def make_request(self, sub: Submission) -> Request:
+        """Validate and tokenize a `Submission` (`RequestFactory.make`); touches no engine
+        state, so it is safe to call from another thread."""
         return self.factory.make(sub)
 
     @property
@@ -132,7 +122,7 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, **kwargs) -> Request:
-        req = self.make_request(prompt, params, **kwargs)
+        req = self.make_request(Submission(prompt, params, **kwargs))
         self.add(req)
         return req
 
