@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +29,34 @@ SMOLLM2_135M = dict(
 )
 
 
+# Llama-3.2-1B's shape (0.99B parameters) with the demo model's 8192-token vocabulary, so that
+# its tokenizer serves it (benchmarks/tiers.py talks text): the GPU check's model.
+LLAMA_1B = dict(
+    vocab_size=8192,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=2,
+)
+# The same family at a size a CPU runs in seconds (the GPU check's dry run).
+TINY_LLAMA = {
+    **LLAMA_1B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def real_smollm2() -> Path:
     """SmolLM2-135M-Instruct as transformers saves it (fetched once: tests/real_model.py)."""
     import sys
@@ -37,17 +67,34 @@ def real_smollm2() -> Path:
     return smollm2_hf()
 
 
-def random_checkpoint(name: str, config: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save (once) a random-weight LlamaForCausalLM with `config` in Hugging Face format."""
+def random_checkpoint(
+    name: str,
+    config: dict,
+    dtype: torch.dtype = torch.bfloat16,
+    demo_tokenizer: bool = False,
+    device: str = "cpu",
+) -> Path:
+    """Save (once) a random-weight LlamaForCausalLM with `config` in Hugging Face format,
+    its weights drawn on `device`; with `demo_tokenizer`, the demo model's tokenizer beside it
+    (its vocabulary: 8192)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = CACHE / name
-    if (out / "model.safetensors").is_file():
-        return out
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(dtype)
-    model.save_pretrained(out)
+    if not (out / "model.safetensors").is_file():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**config)).to(dtype)
+        model.save_pretrained(out)
+    if demo_tokenizer:
+        from expresslane.demo import demo_model_dir
+
+        for f in TOKENIZER_FILES:
+            shutil.copy(demo_model_dir() / f, out / f)
     return out
+
+
+def model_vocab(path) -> int:
+    return json.loads((Path(path) / "config.json").read_text())["vocab_size"]
 
 
 def machine() -> dict:
@@ -61,7 +108,9 @@ def machine() -> dict:
 
 
 def save_results(name: str, results: dict) -> Path:
-    out = Path(__file__).resolve().parent / "results" / f"{name}.json"
+    """benchmarks/results/NAME.json, or under $EXPRESSLANE_RESULTS_DIR (the GPU check's)."""
+    folder = os.environ.get("EXPRESSLANE_RESULTS_DIR")
+    out = Path(folder or Path(__file__).resolve().parent / "results") / f"{name}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     return out

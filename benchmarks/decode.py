@@ -9,6 +9,7 @@ and 16x512 prompt tokens (`--prefill`).
     python benchmarks/decode.py [--batches 1,16,32,64,128] [--prefill 1x2048,16x512]
                                 [--rounds 5] [--skip-hf] [--dtype auto] [--quantization nvfp4]
                                 [--temperature 0] [--top-p 1] [--model smollm2]
+                                [--device auto] [--kv-cache-gb 1] [--hf-dtypes bfloat16,float32]
 
 `--model smollm2` runs the real SmolLM2-135M-Instruct (the directory transformers saves from its
 GGUF, bf16: tests/real_model.py) instead of random weights of its architecture; any other value
@@ -32,14 +33,15 @@ import statistics
 import time
 
 import torch
-from common import SMOLLM2_135M, machine, random_checkpoint, real_smollm2, save_results
+from common import SMOLLM2_135M, machine, model_vocab, random_checkpoint, real_smollm2, save_results
 
 PROMPT, NEW = 128, 64
+VOCAB = SMOLLM2_135M["vocab_size"]  # the model's (main)
 
 
 def prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch * 10007 + length)
-    return torch.randint(1, SMOLLM2_135M["vocab_size"], (batch, length), generator=g).tolist()
+    return torch.randint(1, VOCAB, (batch, length), generator=g).tolist()
 
 
 def model_path(name: str | None):
@@ -58,6 +60,8 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
         str(path),
         dtype=args.dtype,
         quantization=args.quantization,
+        device=args.device,
+        kv_cache_memory_gb=args.kv_cache_gb,
         max_model_len=longest,
         max_batch=max(batches),
         max_num_batched_tokens=2048,
@@ -89,7 +93,9 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
     return out, batch1
 
 
-def bench_hf(path, batches: list[int], prefill: list[tuple[int, int]], dtype: torch.dtype):
+def bench_hf(
+    path, batches: list[int], prefill: list[tuple[int, int]], dtype: torch.dtype, device: str
+):
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     class Stamps(LogitsProcessor):
@@ -102,10 +108,10 @@ def bench_hf(path, batches: list[int], prefill: list[tuple[int, int]], dtype: to
             self.times.append(time.perf_counter())
             return scores
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
     def run(batch: int, n: int, length: int = PROMPT) -> tuple[float, list[float], float]:
-        ids = torch.tensor(prompts(batch, length))
+        ids = torch.tensor(prompts(batch, length), device=device)
         stamps = Stamps()
         t = time.perf_counter()
         with torch.inference_mode():
@@ -118,6 +124,8 @@ def bench_hf(path, batches: list[int], prefill: list[tuple[int, int]], dtype: to
                 pad_token_id=0,
                 logits_processor=LogitsProcessorList([stamps]),
             )
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t, stamps.times, t
 
     run(1, 4)  # warm-up
@@ -139,6 +147,9 @@ def bench_hf(path, batches: list[int], prefill: list[tuple[int, int]], dtype: to
     return out, batch1
 
 
+HF_NAMES = {"bfloat16": "hf_bf16", "float32": "hf_fp32"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16,32,64,128")
@@ -150,18 +161,29 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="expresslane's sampling")
     ap.add_argument("--quantization", default=None, help="expresslane's weights: nvfp4, mxfp4")
     ap.add_argument("--model", default=None, help="smollm2 (the real model) or a directory")
+    ap.add_argument("--device", default="auto", help="both engines' (auto: cuda if there is one)")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="expresslane's KV cache")
+    ap.add_argument("--hf-dtypes", default="bfloat16,float32", help="transformers' dtypes")
     args = ap.parse_args()
+    global VOCAB
     batches = [int(b) for b in args.batches.split(",")]
     prefill = [
         tuple(int(v) for v in shape.split("x")) for shape in args.prefill.split(",") if shape
     ]
     path = model_path(args.model)
+    VOCAB = model_vocab(path)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"machine": machine(), "model": str(path), "prompt": PROMPT, "new_tokens": NEW}
     results["expresslane"], samplers = bench_expresslane(path, batches, prefill, args)
     samplers = {"expresslane": samplers}
     if not args.skip_hf:
-        for name, dtype in (("hf_bf16", torch.bfloat16), ("hf_fp32", torch.float32)):
-            results[name], samplers[name] = bench_hf(path, batches, prefill, dtype)
+        for dtype in args.hf_dtypes.split(","):
+            name = HF_NAMES[dtype]
+            results[name], samplers[name] = bench_hf(
+                path, batches, prefill, getattr(torch, dtype), device
+            )
     if 1 in batches:
         rounds = [{name: fn() for name, fn in samplers.items()} for _ in range(args.rounds)]
         results["batch1_rounds"] = rounds

@@ -12,7 +12,11 @@
    kernel at any batch, int8 activations) both run the same kernels; elsewhere only the
    small chunks take the decode kernels.
 
-    python benchmarks/quant.py [--rounds 3] [--ppl-tokens 100000]
+    python benchmarks/quant.py [--rounds 3] [--ppl-tokens 100000] [--formats nvfp4,mxfp4]
+                               [--model DIR] [--device auto]
+
+`--model` names another bf16 checkpoint for part 1 (its quantized copies are kept beside the
+random one's, under .cache/bench); `--ppl-tokens 0` skips part 2.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import argparse
 import json
 import math
 import statistics
+from pathlib import Path
 
 import torch
-from common import CACHE, SMOLLM2_135M, machine, random_checkpoint, save_results
+from common import CACHE, SMOLLM2_135M, machine, model_vocab, random_checkpoint, save_results
 from safetensors import safe_open
 
 from expresslane import LLM, SamplingParams
@@ -53,10 +58,12 @@ def streamed_weight_bytes(model_dir) -> int:
     return total
 
 
-def decode_speed(llms: dict[str, LLM], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+def decode_speed(
+    llms: dict[str, LLM], rounds: int, vocab: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """Median decode tokens/s and median time to first token (the 128-token prompt), per mode."""
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, SMOLLM2_135M["vocab_size"], (PROMPT,), generator=g).tolist()
+    prompt = torch.randint(1, vocab, (PROMPT,), generator=g).tolist()
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     speeds: dict[str, list[float]] = {name: [] for name in llms}
     ttfts: dict[str, list[float]] = {name: [] for name in llms}
@@ -78,40 +85,49 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ppl-tokens", type=int, default=100_000)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--model", default=None, help="a bf16 checkpoint (random SmolLM2-135M)")
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     results: dict = {"machine": machine(), "args": vars(args)}
+    formats = [f for f in args.formats.split(",") if f]
 
-    src = random_checkpoint("smollm2-135m", SMOLLM2_135M)
+    src = Path(args.model) if args.model else random_checkpoint("smollm2-135m", SMOLLM2_135M)
+    name = "smollm2-135m" if args.model is None else src.name
     dirs = {"bf16": src}
     disk = {"bf16": (src / "model.safetensors").stat().st_size}
-    for fmt in FORMATS:
-        out = CACHE / f"smollm2-135m-{fmt}"
+    for fmt in formats:
+        out = CACHE / f"{name}-{fmt}"
         if not (out / "model.safetensors").is_file():
             quantize_checkpoint(src, out, fmt)
         dirs[fmt] = out
         disk[fmt] = (out / "model.safetensors").stat().st_size
     # no prefix cache: every round's time to first token is the whole 128-token prompt
     llms = {
-        name: LLM(str(d), max_model_len=1024, enable_prefix_caching=False)
-        for name, d in dirs.items()
+        mode: LLM(str(d), device=args.device, max_model_len=1024, enable_prefix_caching=False)
+        for mode, d in dirs.items()
     }
-    speed, ttft = decode_speed(llms, args.rounds)
+    speed, ttft = decode_speed(llms, args.rounds, model_vocab(src))
     streamed = {name: streamed_weight_bytes(d) for name, d in dirs.items()}
     del llms
-    results["smollm2_135m"] = {
-        name: {
-            "decode_tok_s": round(speed[name], 1),
-            "speedup_vs_bf16": round(speed[name] / speed["bf16"], 2),
-            "ttft_ms": round(1000 * ttft[name], 1),
-            "streamed_weight_mb": round(streamed[name] / 1e6, 1),
-            "streamed_vs_bf16": round(streamed[name] / streamed["bf16"], 3),
-            "checkpoint_mb": round(disk[name] / 1e6, 1),
-            "checkpoint_vs_bf16": round(disk[name] / disk["bf16"], 3),
+    key = "smollm2_135m" if args.model is None else "model"
+    results[key] = {
+        mode: {
+            "decode_tok_s": round(speed[mode], 1),
+            "speedup_vs_bf16": round(speed[mode] / speed["bf16"], 2),
+            "ttft_ms": round(1000 * ttft[mode], 1),
+            "streamed_weight_mb": round(streamed[mode] / 1e6, 1),
+            "streamed_vs_bf16": round(streamed[mode] / streamed["bf16"], 3),
+            "checkpoint_mb": round(disk[mode] / 1e6, 1),
+            "checkpoint_vs_bf16": round(disk[mode] / disk["bf16"], 3),
         }
-        for name in dirs
+        for mode in dirs
     }
-    for name, row in results["smollm2_135m"].items():
-        print(f"SmolLM2-135M {name}: {row}", flush=True)
+    for mode, row in results[key].items():
+        print(f"{name} {mode}: {row}", flush=True)
+    if args.ppl_tokens <= 0:
+        print("saved", save_results("quant", results))
+        return
 
     text = heldout_text()
     for key, tokens, chunk in (

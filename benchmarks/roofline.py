@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from common import SMOLLM2_135M, machine, random_checkpoint, save_results
+from common import SMOLLM2_135M, machine, model_vocab, random_checkpoint, save_results
 
 PROMPT, NEW = 128, 64
 
@@ -65,7 +65,7 @@ def main() -> None:
     device = llm.engine.device
     sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, 10_000, (PROMPT,), generator=g).tolist()
+    prompt = torch.randint(1, min(10_000, model_vocab(path)), (PROMPT,), generator=g).tolist()
     llm.generate([prompt], sp)  # warm-up (kernel builds, graph captures, caches)
     rates, bandwidths = [], []
     for _ in range(args.rounds):  # alternate the two so drift hits both alike

@@ -22,6 +22,7 @@ from expresslane.quant.formats import FORMATS, quantize  # noqa: E402
 from expresslane.quant.linear import Fp4Linear, Fp4Weight  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.cuda  # one of the GPU check's tests (benchmarks/gpu_check.sh)
 
 
 def fused_weight(fmt_name: str, k: int, seed: int) -> Fp4Weight:
