@@ -73,6 +73,11 @@ class AttentionMetadata:
             row[: len(table)] = table
         return torch.tensor(q_lens), torch.cat(starts), slots.view(-1), ctx, torch.cat(ends)
 
+    def clear_mask(self) -> None:
+        """Build the decode mask again on next use (metadata reused across steps, as a
+        decode graph's static inputs are)."""
+        self._decode_mask = None
+
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
         position starts[b] + j and sees the positions up to there. Built on first use, once
