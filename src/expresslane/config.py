@@ -25,6 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunk size)
     enable_prefix_caching: bool = True
     batch_invariant: bool = False  # every step in row-invariant kernels (kernels/plan.py)
+    # decode steps replay graphs captured per batch-size and context bucket (CUDA graphs on a
+    # GPU; on a CPU the same steps run eagerly): engine/decode_graphs.py
+    cuda_graphs: bool = False
     seed: int | None = None
     speculative: dict | None = None  # every lane's, unless the lane sets its own
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py

@@ -93,6 +93,13 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
         "on what it is batched with (slower prompts where the fast prompt kernels are not "
         "row-invariant; needs the C++ layer stack)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="replay decode steps from CUDA graphs captured per batch-size and context bucket "
+        "(on a CPU the same steps run eagerly)",
+    )
 
 
 def _format_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +150,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "max_num_batched_tokens",
             "enable_prefix_caching",
             "batch_invariant",
+            "cuda_graphs",
             "quantization",
             "kv_cache_dtype",
         )

@@ -44,7 +44,8 @@ class LLMEngine:
         self.max_model_len = self.factory.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cache = CacheConfig(num_blocks, config.block_size, self.kv_store)
-        self.runner = ModelRunner(self.model, cache, config.seed, config.batch_invariant)
+        graphs = config.max_batch if config.cuda_graphs else None
+        self.runner = ModelRunner(self.model, cache, config.seed, config.batch_invariant, graphs)
         log.info("execution plan: %s", self.model.plan.describe())
         # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
         # other than larger ones: the step-latency model fits them on a line of their own

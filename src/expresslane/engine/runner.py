@@ -16,6 +16,7 @@ import torch
 
 from expresslane.config import EngineConfig
 from expresslane.engine import prompt_logprobs
+from expresslane.engine.decode_graphs import DecodeGraphs
 from expresslane.engine.grammar import StepMasks
 from expresslane.engine.prompt_logprobs import PromptRows
 from expresslane.engine.request import Request
@@ -90,16 +91,20 @@ class ModelRunner:
         cache: CacheConfig,
         seed: int | None = None,
         batch_invariant: bool = False,
+        graphs_max_batch: int | None = None,
     ):
         """Bind the model to the KV stores of `cache` (its execution plan follows);
-        `batch_invariant` needs a plan that keeps every row's result apart from the batch."""
+        `batch_invariant` needs a plan that keeps every row's result apart from the batch.
+        `graphs_max_batch`: replay plain decode steps of up to this many sequences from
+        captured graphs (engine/decode_graphs.py; the cache gets one more block, for padding)."""
         model.batch_invariant = batch_invariant
         self.model = model
         self.cfg = cfg = model.cfg
         self.block_size = cache.block_size
         self.device = model.device
         self.dtype = model.dtype
-        slots = cache.num_blocks * cache.block_size
+        pad_block = cache.num_blocks if graphs_max_batch else None  # the block past the pool's
+        slots = (cache.num_blocks + (pad_block is not None)) * cache.block_size
         store = STORES[cache.store]
         self.kv_caches = [
             store(cfg.num_kv_heads, slots, cfg.head_dim, self.dtype, self.device)
@@ -113,6 +118,11 @@ class ModelRunner:
                 f"{model.plan.describe()}"
             )
         self.sampler = Sampler(self.device, seed)
+        self.graphs = None
+        if pad_block is not None:
+            max_ctx = model.rotary.cos.shape[0]  # the model's positions
+            pad_slot = pad_block * cache.block_size
+            self.graphs = DecodeGraphs(model, graphs_max_batch, max_ctx, pad_slot)
 
     def slots(self, req: Request, start: int, end: int) -> np.ndarray:
         """KV cache slots of positions start..end-1 of `req`, from its block table."""
@@ -229,7 +239,11 @@ class ModelRunner:
         grammar masks, on a GPU filled during the forward pass)."""
         prompt_rows: PromptRows = []
         input_ids, positions, meta, rows, samples = self.prepare(items, prompt_rows)
-        logits = self.model(input_ids, positions, meta, rows)
+        logits = None
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, positions, meta, rows)
+        if logits is None:
+            logits = self.model(input_ids, positions, meta, rows)
         sampled = sum(n for _, n in samples)
         result = None
         if samples:
