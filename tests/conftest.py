@@ -50,6 +50,22 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
 }
+# Mixtures of experts (models/moe.py): Qwen3-MoE with a dense layer among the sparse ones.
+MOE_CONFIGS = {
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 3,
+        },
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -85,7 +101,7 @@ def _train_tokenizer(out: Path) -> None:
 def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     import transformers
 
-    cfg_cls, model_cls, extra = ARCH_CONFIGS[arch]
+    cfg_cls, model_cls, extra = {**ARCH_CONFIGS, **MOE_CONFIGS}[arch]
     torch.manual_seed(0)
     settings = dict(
         vocab_size=VOCAB,

@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expresslane.errors import ModelLoadError
+from expresslane.models.moe import MoEConfig
 from expresslane.models.rope import parse_rope_scaling
 from expresslane.models.rope import rope_inv_freq as rope_inv_freq  # where it was defined before
 
-# Architectures that share the Llama block; they differ only in the flags below.
+# Architectures that share the Llama block; they differ only in the flags below (and the
+# mixtures of experts in their feed-forward blocks: models/moe.py).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
@@ -40,6 +44,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -66,7 +71,8 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         eos = raw.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        use_sliding = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        mistral = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+        use_sliding = raw.get("use_sliding_window", mistral)
         max_position_embeddings = raw.get("max_position_embeddings", 2048)
         return cls(
             architecture=arch,
@@ -82,12 +88,13 @@ class ModelConfig:
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope_scaling=parse_rope_scaling(raw, max_position_embeddings),
             sliding_window=raw.get("sliding_window") if use_sliding else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            moe=MoEConfig.from_dict(raw, arch),
         )
 
 

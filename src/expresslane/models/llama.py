@@ -19,6 +19,7 @@ from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.moe import SparseMoE
 from expresslane.models.rope import rope_frequencies
 from expresslane.quant.linear import Fp4Linear
 
@@ -31,8 +32,12 @@ class DecoderLayer(nn.Module):
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"))
         self.o = make_linear(w["o"])
         self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
-        self.gate_up = make_linear(w["gate_up"])
-        self.down = make_linear(w["down"])
+        self.moe = None  # a mixture of experts in place of gate_up/down (models/moe.py)
+        if "router" in w:
+            self.moe = SparseMoE(cfg.moe, w["router"], w["experts_gate_up"], w["experts_down"])
+        else:
+            self.gate_up = make_linear(w["gate_up"])
+            self.down = make_linear(w["down"])
         self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -41,8 +46,10 @@ class DecoderLayer(nn.Module):
         self.ffn = cfg.intermediate_size
 
     def linears(self) -> list[nn.Module]:
-        """qkv, o, gate_up, down: the order the layer stack takes them in."""
-        return [self.qkv, self.o, self.gate_up, self.down]
+        """qkv, o, gate_up, down: the order the layer stack takes them in (no gate_up and
+        down in a layer of experts)."""
+        mlp = [] if self.moe is not None else [self.gate_up, self.down]
+        return [self.qkv, self.o, *mlp]
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
@@ -60,6 +67,8 @@ class DecoderLayer(nn.Module):
             k = apply_rope(k, cos, sin, D // 2)
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
         x = x + self.o(self.attn(q, k, v, meta))
+        if self.moe is not None:
+            return x + self.moe(self.post_norm(x))
         gu = self.gate_up(self.post_norm(x))
         return x + self.down(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :])
 
@@ -233,6 +242,8 @@ def build_layer_stack(model: LlamaModel):
     (bf16 or FP4); None otherwise (then the Python layers run)."""
     layers = model.layers
     linears = model.layer_linears()
+    if model.cfg.moe is not None:
+        return None  # the stack runs dense layers only
     if not linears or any(m.path not in STACK_PATHS for m in linears):
         return None
     caches = [layer.attn.kv.native() for layer in layers]

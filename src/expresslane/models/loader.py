@@ -12,6 +12,7 @@ from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
+from expresslane.models.moe import EXPERT_NAMES, stack_experts
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
@@ -56,12 +57,23 @@ def fuse_weights(
         for src, dst in _RENAMES.items():
             if p + src in raw:
                 out[f"layers.{i}.{dst}"] = take(p + src, linear_dtype if dst in linear else dtype)
+        sparse = cfg.moe is not None and i not in cfg.moe.dense_layers
+        if sparse:
+            out.update(_experts(cfg, p, lambda name: take(name), i))
         for dst, parts in _FUSED.items():
-            if dst == "qkv_bias" and p + parts[0] not in raw:
+            if (dst == "qkv_bias" or sparse) and p + parts[0] not in raw:
                 continue
             to = dtype if dst == "qkv_bias" else linear_dtype
             out[f"layers.{i}.{dst}"] = _fuse([take(p + s, to) for s in parts], to)
     return out
+
+
+def _experts(cfg: ModelConfig, p: str, take, i: int) -> dict[str, torch.Tensor]:
+    """Layer i's router and stacked experts (models/moe.py), in the compute dtype."""
+    router, prefix, names = EXPERT_NAMES[cfg.architecture]
+    tensors = {"router": take(p + router)}
+    tensors.update(stack_experts(take, p + prefix, names, cfg.moe.num_experts))
+    return {f"layers.{i}.{k}": v for k, v in tensors.items()}
 
 
 def _fuse(parts: list, dtype: torch.dtype):
@@ -108,6 +120,11 @@ def load_model(
     raw = read_checkpoint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     quant_config = own_quant_config(config, raw)
+    if cfg.moe is not None and (quantization or quant_config):
+        raise ModelLoadError(
+            "FP4 weights are not available for mixture-of-experts models yet; serve the "
+            "checkpoint's own bf16/float32 weights"
+        )
     if quantization and not quant_config:
         raw, _ = quantize_tensors(raw, config, quantization)  # in memory, at load
         cfg.tie_word_embeddings = config.get("tie_word_embeddings", cfg.tie_word_embeddings)

@@ -1,0 +1,110 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral): a router picks `top_k` of
+`num_experts` SwiGLU experts per token and sums their outputs weighted by the router's
+probabilities (renormalized over the chosen ones where `norm_topk_prob`).
+
+Tokens are grouped by expert: one pair of matrix calls per expert that any token of the step
+routed to, none for the others, so a batch-1 decode step reads only its `top_k` experts'
+weights. This plain PyTorch path is the reference and the path on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The published checkpoints' names of one layer's router and experts, per architecture:
+# (router, expert prefix, (gate, up, down) under it).
+EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": (
+        "mlp.gate.weight",
+        "mlp.experts",
+        ("gate_proj", "up_proj", "down_proj"),
+    ),
+    "MixtralForCausalLM": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts",
+        ("w1", "w3", "w2"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    dense_layers: frozenset[int]  # layers with a plain MLP of the model's intermediate_size
+
+    @classmethod
+    def from_dict(cls, raw: dict, arch: str) -> MoEConfig | None:
+        if arch not in EXPERT_NAMES:
+            return None
+        experts = raw.get("num_experts") or raw.get("num_local_experts")
+        step = raw.get("decoder_sparse_step") or 1
+        layers = range(raw["num_hidden_layers"])
+        dense = {i for i in layers if (i + 1) % step} | set(raw.get("mlp_only_layers") or [])
+        return cls(
+            num_experts=experts,
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            # Mixtral always renormalizes over the chosen experts
+            norm_topk_prob=raw.get("norm_topk_prob", arch == "MixtralForCausalLM"),
+            dense_layers=frozenset(dense),
+        )
+
+
+def stack_experts(take, prefix: str, names: tuple[str, str, str], n: int) -> dict:
+    """One layer's experts as two stacked tensors: gate and up fused [E, 2I, H], down
+    [E, H, I]. `take(name)` reads a checkpoint tensor."""
+    gate, up, down = names
+    gate_up = [
+        torch.cat([take(f"{prefix}.{e}.{gate}.weight"), take(f"{prefix}.{e}.{up}.weight")])
+        for e in range(n)
+    ]
+    downs = [take(f"{prefix}.{e}.{down}.weight") for e in range(n)]
+    return {"experts_gate_up": torch.stack(gate_up), "experts_down": torch.stack(downs)}
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, cfg: MoEConfig, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.ffn = cfg.intermediate_size
+        self.router = nn.Parameter(router, requires_grad=False)  # [E, H]
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)  # [E, 2I, H]
+        self.down = nn.Parameter(down, requires_grad=False)  # [E, H, I]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, experts [T, k])."""
+        probs = F.linear(x, self.router).softmax(-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(x, self.gate_up[e])
+        return F.linear(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :], self.down[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.view(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        tokens = order // self.top_k  # the token of each (token, choice) pair, by expert
+        scale = weights.view(-1)[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start : start + n]
+                out.index_add_(0, rows, self.expert(e, x[rows]) * scale[start : start + n])
+                start += n
+        return out
