@@ -72,6 +72,7 @@ LIMITS = {
     "tests": 150,
     "model": 60,
     "roofline": 40,
+    "roofline_graphs": 40,
     "decode": 90,
     "nvfp4": 40,
     "step_profile": 30,
@@ -214,7 +215,9 @@ def main() -> None:
     bench = [py, "-u"]
     dev = ["--device", sizes.device]
     rounds = ["--rounds", str(sizes.rounds)]
-    report.run("roofline", [*bench, "benchmarks/roofline.py", "--model", model, *dev, *rounds])
+    roofline = [*bench, "benchmarks/roofline.py", "--model", model, *dev, *rounds]
+    report.run("roofline", roofline)
+    report.run("roofline_graphs", [*roofline, "--cuda-graphs", "--name", "roofline_graphs"])
     report.run(
         "decode",
         [*bench, "benchmarks/decode.py", "--model", model, *dev, *rounds]
@@ -258,6 +261,10 @@ def headline(parts: dict) -> None:
         f"roofline: {get('roofline', 'decode_tok_s')} tok/s = "
         f"{get('roofline', 'fraction_of_roofline')} of {get('roofline', 'roofline_tok_s')} "
         f"({get('roofline', 'bandwidth_gb_s')} GB/s)"
+    )
+    print(
+        f"with cuda_graphs: {get('roofline_graphs', 'decode_tok_s')} tok/s = "
+        f"{get('roofline_graphs', 'fraction_of_roofline')} of the roofline"
     )
     ours, hf = get("decode", "expresslane") or {}, get("decode", "hf_bf16") or {}
     for b in ("1", "16", "64", "256", "4"):

@@ -10,6 +10,7 @@ and reports decode tokens/s as a fraction of bandwidth / bytes per step.
 Random weights of the SmolLM2-135M architecture (bf16) unless --model is given.
 
     python benchmarks/roofline.py [--device auto|cpu|cuda] [--rounds 5] [--model DIR]
+                                  [--cuda-graphs]   # decode steps replayed from graphs
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", default=None, help="a bf16 Hugging Face checkpoint directory")
+    ap.add_argument("--cuda-graphs", action="store_true", help="the engine's cuda_graphs")
+    ap.add_argument("--name", default="roofline", help="the results file's name")
     args = ap.parse_args()
 
     from expresslane import LLM, SamplingParams
 
     path = args.model or str(random_checkpoint("smollm2-135m", SMOLLM2_135M))
-    llm = LLM(path, device=args.device, max_model_len=1024)
+    llm = LLM(path, device=args.device, max_model_len=1024, cuda_graphs=args.cuda_graphs)
     device = llm.engine.device
     sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -78,6 +81,7 @@ def main() -> None:
     result = {
         "machine": machine(),
         "device": str(device),
+        "cuda_graphs": args.cuda_graphs,
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "bytes_per_step_mb": round(step_bytes / 1e6, 1),
         "roofline_tok_s": round(roofline, 1),
@@ -87,7 +91,7 @@ def main() -> None:
     }
     for key, value in result.items():
         print(f"{key}: {value}")
-    print(f"saved {save_results('roofline', result)}")
+    print(f"saved {save_results(args.name, result)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The engine on a CUDA device (benchmarks/gpu_check.sh runs these with test_fp4_triton.py):
-parity with transformers in float32 and bf16 on random Llama, Qwen2 and Qwen3 checkpoints,
-greedy identity with n-gram speculation, the sampler against its definition, prefix caching.
-Skipped without a CUDA device: the CPU paths have their own tests."""
+parity with transformers in float32 and bf16 on random Llama, Qwen2, Qwen3 and
+mixture-of-experts checkpoints, greedy identity with n-gram speculation and with CUDA graphs
+(plain, FP8 and FP4 KV caches), the sampler against its definition, prefix caching. Skipped
+without a CUDA device: the CPU paths have their own tests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from expresslane.engine.sampler import Sampler, filtered_probs
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
-from .conftest import ARCH_CONFIGS, bf16_copy, random_prompts
+from .conftest import ARCH_CONFIGS, MOE_CONFIGS, bf16_copy, make_checkpoint, random_prompts
 from .test_sampler import CASES, definition, settings, tied_logits
 
 pytestmark = [
@@ -24,6 +25,7 @@ pytestmark = [
 ]
 transformers = pytest.importorskip("transformers")
 CUDA = torch.device("cuda")
+GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def hf_model(path, dtype: torch.dtype):
@@ -132,3 +134,34 @@ def test_sampled_tokens_pass_a_chi_square_test():
     support = want > 0
     assert counts[~support].sum() == 0
     assert chisquare(counts[support], want[support] / want[support].sum() * n).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp4"])
+def test_greedy_tokens_identical_with_cuda_graphs(llama_dir, kv_cache_dtype):
+    prompts = random_prompts(12, 4, 120, seed=6)
+    params = [SamplingParams(max_tokens=8 + 4 * i, **GREEDY) for i in range(len(prompts))]
+    outputs = {}
+    for graphs in (False, True):
+        llm = LLM(
+            str(llama_dir),
+            dtype="float32",
+            device="cuda",
+            kv_cache_dtype=kv_cache_dtype,
+            cuda_graphs=graphs,
+        )
+        outputs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    stats = llm.engine.runner.graphs.stats
+    assert stats.captures > 0 and stats.replays > stats.captures
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
+def test_mixture_of_experts_greedy_matches_transformers(tmp_path, arch):
+    path = make_checkpoint(tmp_path, arch)
+    hf = hf_model(path, torch.float32)
+    llm = LLM(str(path), dtype="float32", device="cuda")
+    prompts = random_prompts(6, 3, 50, seed=2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
