@@ -66,6 +66,20 @@ MOE_CONFIGS = {
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
 }
+# Gemma 3: five sliding-window layers (a window of 8) to one global, q scaled by 24**-0.5
+GEMMA3_CONFIGS = {
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 7,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "pad_token_id": 0,
+        },
+    ),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -101,7 +115,7 @@ def _train_tokenizer(out: Path) -> None:
 def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     import transformers
 
-    cfg_cls, model_cls, extra = {**ARCH_CONFIGS, **MOE_CONFIGS}[arch]
+    cfg_cls, model_cls, extra = {**ARCH_CONFIGS, **MOE_CONFIGS, **GEMMA3_CONFIGS}[arch]
     torch.manual_seed(0)
     settings = dict(
         vocab_size=VOCAB,

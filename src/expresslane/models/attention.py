@@ -44,7 +44,8 @@ class AttentionMetadata:
     decode_starts: torch.Tensor | None = None  # [decode_batch] cached tokens before this step
     decode_prompt_ends: torch.Tensor | None = None  # [decode_batch] prompt lengths (None: 0)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+    # the decode masks built this step, by sliding window (None: the whole context)
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Every sequence of the step in row order, the uniform group and the prompt chunks
@@ -76,20 +77,24 @@ class AttentionMetadata:
     def clear_mask(self) -> None:
         """Build the decode mask again on next use (metadata reused across steps, as a
         decode graph's static inputs are)."""
-        self._decode_mask = None
+        self._decode_masks.clear()
 
-    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def decode_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at
-        position starts[b] + j and sees the positions up to there. Built on first use, once
-        per step (the C++ layer stack never needs it)."""
-        if self._decode_mask is None:
+        position starts[b] + j and sees the positions up to there (within a sliding `window`:
+        the last `window` of them). Built on first use, once per step and window (the C++
+        layer stack never needs it)."""
+        if window not in self._decode_masks:
             starts = self.decode_starts
             dev = starts.device
-            visible = starts[:, None] + torch.arange(self.decode_q_len, device=dev)[None, :]
-            hidden = torch.arange(self.decode_ctx, device=dev)[None, None, :] > visible[..., None]
+            last = starts[:, None] + torch.arange(self.decode_q_len, device=dev)[None, :]
+            kv = torch.arange(self.decode_ctx, device=dev)[None, None, :]
+            hidden = kv > last[..., None]
+            if window is not None:
+                hidden |= kv <= last[..., None] - window
             mask = torch.zeros(*hidden.shape, dtype=dtype, device=dev)
-            self._decode_mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(2)
-        return self._decode_mask
+            self._decode_masks[window] = mask.masked_fill_(hidden, float("-inf")).unsqueeze(2)
+        return self._decode_masks[window]
 
 
 def native_decode_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | None):
@@ -116,20 +121,23 @@ def native_prompt_attention(q: torch.Tensor, kv_tensors: list[torch.Tensor] | No
 
 
 class PagedAttention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None):
+        """`window`: a sliding-window layer's, each query sees the last `window` positions up
+        to its own (the C++ kernels attend to the whole context: such layers run in PyTorch)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+        self.window = window
         self.kv = None  # a store from models/kv_store.py, bound by the runner
         self.bf16_prompts = False  # the tiled kernel's products in bf16 (the model's plan)
 
     def tiled_prompts(self, dtype: torch.dtype) -> bool:
         """Whether prompt rows take the tiled kernel with this KV store and compute dtype."""
         kv = self.kv.native()
-        if kv is None:
+        if kv is None or self.window is not None:
             return False
         probe = torch.empty(1, self.num_heads, self.head_dim, dtype=dtype, device=kv[0].device)
         return native_prompt_attention(probe, kv) is not None
@@ -143,7 +151,7 @@ class PagedAttention(torch.nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if n_dec:
             out[:n_dec] = self._decode(q[:n_dec], meta)
-        kernels = native_prompt_attention(q, self.kv.native())
+        kernels = None if self.window else native_prompt_attention(q, self.kv.native())
         for chunk in meta.prefills:
             s, e = chunk.start, chunk.start + chunk.length
             if kernels is not None:
@@ -179,7 +187,7 @@ class PagedAttention(torch.nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kv = self.kv.native()
-        native = native_decode_attention(q, kv)
+        native = None if self.window else native_decode_attention(q, kv)
         if native is not None:  # reads the paged cache in place, no padded gather
             L, Q, kind = meta.decode_ctx, meta.decode_q_len, self.kv.NATIVE_KIND
             return native(q, kv, kind, meta.decode_slots, L, Q, meta.decode_starts)
@@ -192,7 +200,7 @@ class PagedAttention(torch.nn.Module):
         # [B*Q, H, D] -> [Hkv, B, Q*G, D]: one matmul batch entry per (kv head, sequence)
         qg = q.view(B, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, Q * G, D)
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))
-        mask = meta.decode_mask(scores.dtype)
+        mask = meta.decode_mask(scores.dtype, self.window)
         scores = scores.view(Hkv, B, Q, G, L).add_(mask).view(Hkv, B, Q * G, L)
         probs = torch.softmax(scores * self.scale, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, kv[1])  # [Hkv, B, Q*G, D]
@@ -205,9 +213,14 @@ class PagedAttention(torch.nn.Module):
         else:
             kv = self.kv.read(chunk.slots)
             keys, values, causal = kv[0], kv[1], False
+        if not causal or self.window is not None:
             offset = chunk.context_len - n
             q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= q_pos
+            kv_pos = torch.arange(chunk.context_len, device=q.device).unsqueeze(0)
+            mask = kv_pos <= q_pos
+            if self.window is not None:
+                mask &= kv_pos > q_pos - self.window
+            causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),

@@ -7,6 +7,8 @@ sequences; per-step attention metadata travels in `AttentionMetadata`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,18 +22,24 @@ from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
 from expresslane.models.moe import SparseMoE
-from expresslane.models.rope import rope_frequencies
+from expresslane.models.rope import plain_inv_freq, rope_frequencies
 from expresslane.quant.linear import Fp4Linear
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], window: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"))
         self.o = make_linear(w["o"])
         self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
+        # Gemma's sandwich: norms on the attention's and the MLP's outputs too
+        self.post_attn_norm = self.post_ffn_norm = None
+        if cfg.sandwich_norms:
+            self.post_attn_norm = RMSNorm(w["post_attn_norm"], cfg.rms_norm_eps)
+            self.post_ffn_norm = RMSNorm(w["post_ffn_norm"], cfg.rms_norm_eps)
+        self.act = F.silu if cfg.activation == "silu" else partial(F.gelu, approximate="tanh")
         self.moe = None  # a mixture of experts in place of gate_up/down (models/moe.py)
         if "router" in w:
             self.moe = SparseMoE(cfg.moe, w["router"], w["experts_gate_up"], w["experts_down"])
@@ -40,7 +48,7 @@ class DecoderLayer(nn.Module):
             self.down = make_linear(w["down"])
         self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.ffn = cfg.intermediate_size
@@ -66,11 +74,17 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, Hkv, D))
             k = apply_rope(k, cos, sin, D // 2)
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
-        x = x + self.o(self.attn(q, k, v, meta))
+        if cfg.query_scale != 1.0:
+            q = q * cfg.query_scale
+        h = self.o(self.attn(q, k, v, meta))
+        x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
+        h = self.post_norm(x)
         if self.moe is not None:
-            return x + self.moe(self.post_norm(x))
-        gu = self.gate_up(self.post_norm(x))
-        return x + self.down(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :])
+            h = self.moe(h)
+        else:
+            gu = self.gate_up(h)
+            h = self.down(self.act(gu[:, : self.ffn]) * gu[:, self.ffn :])
+        return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
 
 class LlamaModel(nn.Module):
@@ -89,6 +103,7 @@ class LlamaModel(nn.Module):
             DecoderLayer(
                 cfg,
                 {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
+                cfg.layer_windows[i] if cfg.layer_windows else None,
             )
             for i in range(cfg.num_layers)
         )
@@ -96,6 +111,10 @@ class LlamaModel(nn.Module):
         self.lm_head = make_linear(weights["lm_head"])
         inv_freq, attention_factor = rope_frequencies(cfg, max_positions)
         self.rotary = Rotary(inv_freq, max_positions, dtype, attention_factor)
+        self.local_rotary = None  # the sliding-window layers' own RoPE (Gemma 3)
+        if cfg.local_rope_theta is not None:
+            local = plain_inv_freq(cfg.local_rope_theta, cfg.head_dim)
+            self.local_rotary = Rotary(local, max_positions, dtype)
         self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
         self.batch_invariant = False  # ask the plan for row-invariant kernels in every step
@@ -171,7 +190,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns float32 logits for the tokens at `logits_indices` (all tokens if None)."""
         x = F.embedding(input_ids, self.embed)
+        if self.cfg.embed_scale != 1.0:  # in the weights' dtype, as transformers rounds it
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary.tables(positions)
+        local = cos, sin
+        if self.local_rotary is not None:
+            local = self.local_rotary.tables(positions)
         decode_only = meta.num_decode_tokens == x.shape[0]
         if self.plan.uses_stack(x.shape[0], decode_only):
             q_lens, starts, slots, ctx, ends = meta.sequences()
@@ -182,7 +206,7 @@ class LlamaModel(nn.Module):
                 return self.layer_stack.logits(x, logits_indices)
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin, meta)
+                x = layer(x, *(local if layer.attn.window else (cos, sin)), meta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.norm(x)).float()
@@ -242,8 +266,9 @@ def build_layer_stack(model: LlamaModel):
     (bf16 or FP4); None otherwise (then the Python layers run)."""
     layers = model.layers
     linears = model.layer_linears()
-    if model.cfg.moe is not None:
-        return None  # the stack runs dense layers only
+    cfg = model.cfg
+    if cfg.moe is not None or cfg.sandwich_norms or cfg.layer_windows or cfg.query_scale != 1:
+        return None  # the stack runs the Llama block only: dense, whole context, silu
     if not linears or any(m.path not in STACK_PATHS for m in linears):
         return None
     caches = [layer.attn.kv.native() for layer in layers]

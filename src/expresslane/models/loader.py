@@ -25,6 +25,14 @@ _RENAMES = {
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
 }
+# Gemma's norms: one after attention, one before and one after the MLP (`sandwich_norms`)
+_SANDWICH_RENAMES = {
+    **_RENAMES,
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "post_norm",  # the norm the MLP's input takes
+    "post_feedforward_layernorm.weight": "post_ffn_norm",
+}
+_NORMS = {"input_norm", "post_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm"}
 _FUSED = {
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
@@ -48,15 +56,24 @@ def fuse_weights(
         t = raw[name]
         return t if isinstance(t, Fp4Weight | Int4Weight) else t.to(to)
 
-    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    def norm(name: str) -> torch.Tensor:  # Gemma's (1 + weight), folded in float32
+        return (take(name, torch.float32) + cfg.norm_offset).to(dtype)
+
+    out = {"embed": take("model.embed_tokens.weight"), "norm": norm("model.norm.weight")}
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     out["lm_head"] = take(head, linear_dtype)
     linear = {"o", "down"}
+    renames = _SANDWICH_RENAMES if cfg.sandwich_norms else _RENAMES
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        for src, dst in _RENAMES.items():
+        for src, dst in renames.items():
             if p + src in raw:
-                out[f"layers.{i}.{dst}"] = take(p + src, linear_dtype if dst in linear else dtype)
+                t = (
+                    norm(p + src)
+                    if dst in _NORMS
+                    else take(p + src, linear_dtype if dst in linear else dtype)
+                )
+                out[f"layers.{i}.{dst}"] = t
         sparse = cfg.moe is not None and i not in cfg.moe.dense_layers
         if sparse:
             out.update(_experts(cfg, p, lambda name: take(name), i))

@@ -79,7 +79,7 @@ def rope_frequencies(
     `max_positions` rows (default: the checkpoint's `max_position_embeddings`)."""
     scaling = cfg.rope_scaling
     if scaling is None:
-        return _plain_inv_freq(cfg.rope_theta, cfg.head_dim), 1.0
+        return plain_inv_freq(cfg.rope_theta, cfg.head_dim), 1.0
     max_positions = max_positions or cfg.max_position_embeddings
     return _SCALINGS[scaling["rope_type"]](cfg, scaling, max_positions)
 
@@ -89,21 +89,21 @@ def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.T
     return rope_frequencies(cfg, max_positions)[0]
 
 
-def _plain_inv_freq(base: float, dim: int) -> torch.Tensor:
+def plain_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _linear(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    return _plain_inv_freq(cfg.rope_theta, cfg.head_dim) / s["factor"], 1.0
+    return plain_inv_freq(cfg.rope_theta, cfg.head_dim) / s["factor"], 1.0
 
 
 def _frequency_factors(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
     factors = torch.tensor(s["factors"], dtype=torch.float32)
-    return _plain_inv_freq(cfg.rope_theta, cfg.head_dim) / factors, 1.0
+    return plain_inv_freq(cfg.rope_theta, cfg.head_dim) / factors, 1.0
 
 
 def _llama3(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    inv = _plain_inv_freq(cfg.rope_theta, cfg.head_dim)
+    inv = plain_inv_freq(cfg.rope_theta, cfg.head_dim)
     factor = s["factor"]
     low_ff = s.get("low_freq_factor", 1.0)
     high_ff = s.get("high_freq_factor", 4.0)
@@ -122,7 +122,7 @@ def _dynamic(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tenso
         factor = s["factor"]
         max_len = factor * original
         base = base * (factor * max_len / original - (factor - 1)) ** (dim / (dim - 2))
-    return _plain_inv_freq(base, dim), 1.0
+    return plain_inv_freq(base, dim), 1.0
 
 
 def _longrope(cfg: ModelConfig, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
