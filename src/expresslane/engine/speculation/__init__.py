@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from expresslane.engine.speculation.acceptance import LaneAcceptance
 from expresslane.engine.speculation.ngram import NgramProposer
 from expresslane.engine.speculation.proposal import Proposal
+from expresslane.engine.speculation.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from expresslane.engine.request import Request
@@ -58,6 +59,7 @@ def make_proposer(
     from expresslane.errors import InvalidRequestError
 
     known = {"method", "model", "num_tokens", "min_n", "max_n", "max_batch", "adaptive"}
+    known |= {"cache_tokens", "min_prob", "share_across_keys"}  # suffix's
     unknown = sorted(set(spec) - known)
     if unknown:
         raise InvalidRequestError(
@@ -74,9 +76,13 @@ def make_proposer(
     if method == "ngram":
         proposer = NgramProposer(spec.get("min_n", 1), spec.get("max_n", 4))
         return SpecConfig(proposer, k, max_batch, adaptive)
+    if method == "suffix":
+        return SpecConfig(SuffixProposer.from_settings(spec), k, max_batch, adaptive)
     if method == "draft" and load_draft is not None:
         return SpecConfig(load_draft(spec.get("model")), k, max_batch, adaptive)
-    raise InvalidRequestError(f"unknown speculative method {method!r}; available: ngram, draft")
+    raise InvalidRequestError(
+        f"unknown speculative method {method!r}; available: ngram, suffix, draft"
+    )
 
 
 def expected_tokens(acceptance: float, guesses: int) -> float:
@@ -120,6 +126,7 @@ __all__ = [
     "Proposal",
     "Proposer",
     "SpecConfig",
+    "SuffixProposer",
     "best_length",
     "expected_tokens",
     "make_proposer",
