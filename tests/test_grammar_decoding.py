@@ -27,6 +27,7 @@ SPECULATION = {
     "plain": None,  # no guesses at all, not even the tokens a grammar forces
     "none": None,
     "ngram": {"method": "ngram", "num_tokens": 6, "adaptive": False, "max_batch": 64},
+    "suffix": {"method": "suffix", "num_tokens": 6, "adaptive": False, "max_batch": 64},
     "draft": {"method": "draft", "num_tokens": 4, "adaptive": False, "max_batch": 64},
 }
 MAX_TOKENS = 64
@@ -172,7 +173,7 @@ def test_outputs_follow_their_grammar_with_and_without_speculation(engines, batc
         outputs[name] = [r.output_token_ids for r in reqs]
         for case, req in zip(batch, reqs, strict=True):
             _check(case, eng.tokenizer.decode(req.output_token_ids), req.finish_reason)
-    for name in ("none", "ngram", "draft"):
+    for name in ("none", "ngram", "suffix", "draft"):
         assert outputs[name] == outputs["plain"], name
 
 

@@ -200,7 +200,7 @@ def test_rejection_sampling_draws_exactly_from_the_target(proposer):
         assert chisquare(np.bincount(guesses, minlength=vocab), expected).pvalue < 1e-6
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 def test_sampled_outputs_follow_the_target_distribution(llama_dir, draft_dir, method):
     """End to end: 600 seeded samples of the first four output tokens at a fixed prompt,
     plain vs speculative; a chi-square test per position cannot tell them apart."""
@@ -211,7 +211,7 @@ def test_sampled_outputs_follow_the_target_distribution(llama_dir, draft_dir, me
     # The model's own greedy path, then its start again: n-gram guesses follow that path.
     prompt = head + path + head
     n = 600
-    spec = {"method": "ngram", "num_tokens": 3, "max_batch": None}
+    spec = {"method": method, "num_tokens": 3, "max_batch": None}
     if method == "draft":
         spec = _spec(draft_dir, k=3)
     spec["adaptive"] = False  # guess at every step (the float32 test model makes it slower)

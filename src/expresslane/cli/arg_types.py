@@ -104,7 +104,7 @@ def parse_lane_flags(flags: list[str]) -> dict:
 
 
 def parse_speculative_flag(value: str | None) -> dict | None:
-    """'ngram' / 'draft' / a TOML inline table -> the `speculative` option."""
+    """'ngram' / 'suffix' / 'draft' / a TOML inline table -> the `speculative` option."""
     if value is None:
         return None
     if value.strip().startswith("{"):

@@ -122,9 +122,9 @@ def _format_args(p: argparse.ArgumentParser) -> None:
         type=speculative,
         default=None,
         metavar="SPEC",
-        help="speculative decoding for every lane that sets none: ngram, draft, or a TOML table "
-        'such as \'{method="draft", model="DIR", num_tokens=12}\' (ultrafast uses ngram '
-        "unless told otherwise)",
+        help="speculative decoding for every lane that sets none: ngram, suffix, draft, or a "
+        'TOML table such as \'{method="draft", model="DIR", num_tokens=12}\' (ultrafast uses '
+        "ngram unless told otherwise)",
     )
     p.add_argument(
         "--lane",
