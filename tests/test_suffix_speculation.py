@@ -53,6 +53,13 @@ def test_index_grows_incrementally_as_a_full_rebuild_and_matches_a_brute_force_s
         whole = SuffixIndex(1, 4)
         whole.extend(tokens)
         _same(grown, whole)
+        cut = rng.randrange(len(tokens) + 1)  # cut back, as a next turn takes it over
+        grown.truncate(cut)
+        prefix = SuffixIndex(1, 4)
+        prefix.extend(tokens[:cut])
+        _same(grown, prefix)
+        grown.extend(tokens[cut:])
+        _same(grown, whole)
 
 
 def test_dropping_the_oldest_sequences_equals_never_having_seen_them():
@@ -155,6 +162,25 @@ def test_release_frees_the_request_and_its_output_joins_the_cache():
     p.release("r")  # twice, or a request never proposed for: nothing
     nxt = _request("s", [5, 1, 2])
     assert p.propose([nxt], [4])[0].token_ids == [7, 7, 7]  # learned from the first
+
+
+def test_a_sessions_next_turn_takes_over_its_previous_turns_index():
+    p = SuffixProposer(min_n=1, max_n=3)
+    rng = random.Random(3)
+    first = _request("t1", [rng.randrange(30) for _ in range(40)], "a")
+    _finish(p, first, [rng.randrange(30) for _ in range(10)])
+    kept = p.recent[-1][1]
+    # the conversation so far, its last token tokenized otherwise, then a new message
+    prompt = first.token_ids[:-1] + [rng.randrange(30) for _ in range(8)]
+    for owner, taken in (("b", False), ("a", True)):
+        nxt = _request(f"t2{owner}", prompt, owner)
+        p.propose([nxt], [4])
+        index = p.tracked[nxt.request_id].index
+        assert (index is kept) is taken  # another owner's is never taken
+        fresh = SuffixIndex(1, 3)
+        fresh.extend(prompt)
+        _same(index, fresh)
+    assert all(index is not kept for _, index in p.recent)
 
 
 def test_one_owners_outputs_never_shape_another_owners_guesses():

@@ -16,11 +16,14 @@ into it): one key's outputs never shape another key's guesses, unless `share_acr
 It holds each finished request's output with the `max_n` prompt tokens before it (prompts of
 multi-turn sessions resend the conversation, which the request's own index already covers),
 at most `cache_tokens` tokens in all, oldest out first (suffix_cache.py).
+
+A request's own index grows with its new tokens only; a session's next turn, whose prompt is
+the last turn's tokens and a new message, takes that turn's index over (same owner only).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
     from expresslane.engine.request import Request
 
 MAX_MATCHES = 32  # occurrences of a context a guess is drawn from, newest first
+# Finished requests' own indexes kept for the next turn of their session, whose prompt is
+# their tokens plus a new message: it takes one over instead of indexing the whole
+# conversation again.
+RECENT_INDEXES = 8
 
 
 @dataclass
@@ -57,6 +64,7 @@ class SuffixProposer:
         self.share_across_keys = share_across_keys
         self.cache = SuffixCache(cache_tokens, min_n, max_n)
         self.tracked: dict[str, _Tracked] = {}
+        self.recent: deque[tuple[Hashable, SuffixIndex]] = deque(maxlen=RECENT_INDEXES)
 
     @classmethod
     def from_settings(cls, spec: dict) -> SuffixProposer:
@@ -89,20 +97,39 @@ class SuffixProposer:
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
-        req = tracked.request
+        req, owner = tracked.request, self.owner(tracked.request)
         if req.num_output_tokens > 0:
             start = max(req.num_prompt_tokens - self.max_n, 0)
-            self.cache.add(self.owner(req), req.token_ids[start:])
+            self.cache.add(owner, req.token_ids[start:])
+        if _extends(req.token_ids, tracked.index.tokens):
+            self.recent.append((owner, tracked.index))
 
     def _own_index(self, req: Request) -> SuffixIndex:
         """The request's index, brought up to its tokens (only the new ones are indexed)."""
         tracked = self.tracked.get(req.request_id)
         tokens = req.token_ids
         if tracked is None or not _extends(tokens, tracked.index.tokens):
-            tracked = _Tracked(req, SuffixIndex(self.min_n, self.max_n))
+            tracked = _Tracked(req, self._take_recent(req))
             self.tracked[req.request_id] = tracked
         index = tracked.index
         index.extend(tokens[len(index.tokens) :])
+        return index
+
+    def _take_recent(self, req: Request) -> SuffixIndex:
+        """A new request's index: the recent one of its owner that shares the longest prefix
+        with it, cut to that prefix, when that keeps more than it cuts; else an empty one."""
+        owner, tokens = self.owner(req), req.token_ids
+        best, best_shared = None, 0
+        for i, (o, index) in enumerate(self.recent):
+            if o == owner:
+                shared = _shared_prefix(index.tokens, tokens)
+                if shared > best_shared and shared > len(index.tokens) - shared:
+                    best, best_shared = i, shared
+        if best is None:
+            return SuffixIndex(self.min_n, self.max_n)
+        _, index = self.recent[best]
+        del self.recent[best]
+        index.truncate(best_shared)
         return index
 
     def guess(
@@ -133,16 +160,31 @@ def follow(runs: list[list[int]], k: int, min_prob: float) -> tuple[list[int], f
         return runs[0][:k], float(min(len(runs[0]), k))
     total, path, expected = len(runs), [], 0.0
     for j in range(k):
-        counts = Counter(run[j] for run in runs if len(run) > j)
-        if not counts:
+        column = [run[j] for run in runs if len(run) > j]
+        if not column:
             break
-        token, count = counts.most_common(1)[0]
+        token, count = column[0], column.count(column[0])
+        if count < len(column):  # they part here: the most frequent (most_common: the first)
+            token, count = Counter(column).most_common(1)[0]
         if count < min_prob * total:
             break
         path.append(token)
         expected += count / total
-        runs = [run for run in runs if len(run) > j and run[j] == token]
+        if count < len(runs):
+            runs = [run for run in runs if len(run) > j and run[j] == token]
     return path, expected
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix (by bisection on slice equality, in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _extends(tokens: list[int], indexed: list[int]) -> bool:

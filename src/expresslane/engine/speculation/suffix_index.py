@@ -61,6 +61,24 @@ class SuffixIndex:
         del toks[:count]
         self.base = cut
 
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from `length` on (relative to the front), undoing their n-grams
+        newest first: each n-gram's latest start goes back to the one before it."""
+        toks = self.tokens
+        for n in self.sizes:
+            latest, earlier = self.latest[n], self.earlier[n]
+            keep = max(length - n, 0)  # the starts that keep a continuation
+            for j in range(len(earlier) - 1, keep - 1, -1):
+                key = tuple(toks[j : j + n])
+                if SEP in key:
+                    continue
+                if earlier[j] >= self.base:
+                    latest[key] = earlier[j]
+                else:
+                    del latest[key]
+            del earlier[keep:]
+        del toks[length:]
+
     def match(self, context: list[int], limit: int) -> tuple[int, list[int]]:
         """The longest n whose last-n-token context occurs in the stream with a continuation,
         and the starts of up to `limit` of its occurrences, newest first ((0, []): none)."""
