@@ -5,7 +5,8 @@ Workloads (held-out standard-library files, never trained on):
   way an agent rewrites code it just read; the output largely repeats the source.
 - complete: a held-out function's header (signature + docstring); the model writes the body.
 
-Modes: plain decoding, n-gram prompt lookup and the bundled draft model, each at batch 1
+Modes: plain decoding, n-gram prompt lookup, suffix lookup (n-gram's index plus a cache of
+earlier outputs) and the bundled draft model, each at batch 1
 (requests one at a time, modes interleaved per prompt so machine noise hits all alike; decode
 tokens/s excludes the first token; `--batch1-rounds` passes over the prompts with the engines
 kept loaded, as a server would, and the speedup is the median of the per-pass ratios) and at
@@ -20,7 +21,14 @@ Greedy outputs are checked token-identical across modes.
 
 `--model smollm2`: the real SmolLM2-135M-Instruct (tests/real_model.py), with the same code
 given as chat requests (edit: "repeat this code, renamed"; complete: "complete this
-function"), plain against n-gram only (it has no draft model).
+function"), without the draft model (it has none).
+
+`--sessions N` runs instead plain, n-gram and suffix on the ultrafast lane over N multi-turn
+sessions per workload (benchmarks/spec_sessions.py: coding-agent sessions and plain chat), one
+request at a time, and times the proposers' own work against the decode time:
+
+    python benchmarks/spec.py --sessions 24 [--turns 4] [--workloads agent,chat]
+        [--max-tokens 256] [--k 12] [--model smollm2]
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import spec_sessions
 from common import machine, real_smollm2, save_results
 
 # The repository root, for the `scripts` package: the workloads are the held-out functions
@@ -45,7 +54,11 @@ from scripts.eval_demo_model import spec_workloads as workloads  # noqa: E402
 
 def modes(k: int, draft: bool = True) -> dict[str, dict | None]:
     # max_batch None: speculate at any batch, to measure what adaptivity alone does at 32.
-    out = {"plain": None, "ngram": {"method": "ngram", "num_tokens": k}}
+    out = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_tokens": k},
+        "suffix": {"method": "suffix", "num_tokens": k},
+    }
     return {**out, "draft": {"method": "draft", "num_tokens": k}} if draft else out
 
 
@@ -112,11 +125,19 @@ def main() -> None:
         help="batch sizes where n-gram speculating at any batch is timed against plain "
         "(what spec.DEFAULT_MAX_BATCH rests on); empty: skip",
     )
+    ap.add_argument("--sessions", type=int, default=0, help="multi-turn sessions per workload")
+    ap.add_argument("--turns", type=int, default=4, help="sessions: most turns per session")
+    ap.add_argument("--workloads", default="agent,chat", help="sessions: agent, chat")
     args = ap.parse_args()
     random.seed(0)
+    args.path = real_smollm2() if args.model == "smollm2" else args.model
+    if args.sessions:
+        results = {"machine": machine(), "args": {**vars(args), "path": str(args.path)}}
+        results["sessions"] = spec_sessions.main(args, args.path)
+        print("saved", save_results("spec_sessions", results))
+        return
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     loads = workloads(args.prompts)
-    args.path = real_smollm2() if args.model == "smollm2" else args.model
     if args.path is not None:
         loads = chat_workloads(loads, args.path)
     results: dict = {"machine": machine(), "args": {**vars(args), "path": str(args.path)}}
