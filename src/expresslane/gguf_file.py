@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,6 +48,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms around attention and the MLP; llama.cpp's converter stores its norm weights
+# with the 1 of (1 + weight) added, which `NORM_SHIFT` takes off again
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_NAMES = {"gemma3": _GEMMA3_NAMES}
+NORM_SHIFT = {"gemma3": 1.0}
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's: every sixth layer attends globally
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 KEEP_4BIT_ENV = "EXPRESSLANE_GGUF_4BIT"
 # Linear layers (by GGUF name) whose 4-bit blocks are kept; the embeddings are a lookup
@@ -107,7 +119,25 @@ class GgufFile:
         scaling = self._rope_scaling()
         if scaling:
             cfg["rope_scaling"] = scaling
+        if self.arch == "gemma3":
+            cfg.update(self._gemma3(cfg))
         return cfg
+
+    def _gemma3(self, cfg: dict) -> dict:
+        """Gemma 3's settings beyond the Llama block's (models/config.py reads them)."""
+        full = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        full.update(cfg.pop("rope_scaling", None) or {})
+        return {
+            "model_type": "gemma3_text",
+            "sliding_window": self._arch_field("attention.sliding_window"),
+            "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+            "query_pre_attn_scalar": cfg["head_dim"],
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        }
 
     def _rope_scaling(self) -> dict | None:
         freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -137,8 +167,10 @@ class GgufFile:
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":  # in the config, as rope scaling
                 continue
-            name, kind = _hf_name(t.name)
+            name, kind = _hf_name(t.name, LAYER_NAMES.get(self.arch, _LAYER_NAMES))
             values = _read(t, kind, keep_4bit)
+            if name.endswith("norm.weight") and self.arch in NORM_SHIFT:
+                values = values - NORM_SHIFT[self.arch]
             if permuted and kind in ("attn_q", "attn_k") and name.endswith(".weight"):
                 rows = partial(_unpermute, heads=heads if kind == "attn_q" else kv_heads)
                 values = values.map_rows(rows) if isinstance(values, Int4Weight) else rows(values)
@@ -148,14 +180,14 @@ class GgufFile:
         return out
 
 
-def _hf_name(name: str) -> tuple[str, str]:
+def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, str]:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], name
     m = _LAYER.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         raise ModelLoadError(f"GGUF tensor {name!r} has no Hugging Face counterpart here")
     layer, kind, suffix = m.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+    return f"model.layers.{layer}.{layer_names[kind]}.{suffix}", kind
 
 
 def _read(t, kind: str, keep_4bit: bool) -> torch.Tensor | Int4Weight:

@@ -3,8 +3,12 @@
 
 GGUF keeps a byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`) as its tokens, merges and
 token types, and names its pre-tokenizer (`tokenizer.ggml.pre`); the split rules below are
-llama.cpp's for those names (the same as the original tokenizers'). Control tokens become
-special tokens; user-defined ones are added tokens matched whole.
+llama.cpp's for those names (the same as the original tokenizers'). A SentencePiece BPE
+tokenizer (`llama`: Gemma, Llama 2, Mistral) comes as tokens with scores: its merges are every
+pair of pieces that makes another piece, ranked by that piece's score (SentencePiece merges the
+best-scoring pair first), spaces are "▁", and characters outside the vocabulary fall back to
+byte tokens. Control tokens become special tokens; user-defined ones are added tokens matched
+whole.
 """
 
 from __future__ import annotations
@@ -38,12 +42,18 @@ PRE_TOKENIZERS = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+_NORMAL, _BYTE = 1, 6
+SPACE = "\u2581"  # SentencePiece's "▁"
+
+
 def tokenizer_json(f: GgufFile) -> dict:
     model = f.field("tokenizer.ggml.model")
+    if model == "llama":
+        return _sentencepiece_json(f)
     if model != "gpt2":
         raise ModelLoadError(
             f"{f.path.name}: GGUF tokenizer model {model!r} is not supported yet "
-            "(byte-level BPE, 'gpt2', is)"
+            "(byte-level BPE, 'gpt2', and SentencePiece BPE, 'llama', are)"
         )
     pre = f.field("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -52,23 +62,9 @@ def tokenizer_json(f: GgufFile) -> dict:
             f"supported: {', '.join(PRE_TOKENIZERS)}"
         )
     tokens = f.field("tokenizer.ggml.tokens")
-    types = f.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    added = [
-        {
-            "id": i,
-            "content": tokens[i],
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": t != _CONTROL,
-            "special": t == _CONTROL,
-        }
-        for i, t in enumerate(types)
-        if t in (_CONTROL, _USER_DEFINED)
-    ]
     return {
         "version": "1.0",
-        "added_tokens": added,
+        "added_tokens": _added_tokens(f, tokens),
         "normalizer": None,
         "pre_tokenizer": _pre_tokenizer(PRE_TOKENIZERS[pre]),
         "post_processor": _post_processor(f, tokens),
@@ -82,6 +78,74 @@ def tokenizer_json(f: GgufFile) -> dict:
             "ignore_merges": False,
         },
     }
+
+
+def _added_tokens(f: GgufFile, tokens: list[str]) -> list[dict]:
+    types = f.field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    return [
+        {
+            "id": i,
+            "content": tokens[i],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": t != _CONTROL,
+            "special": t == _CONTROL,
+        }
+        for i, t in enumerate(types)
+        if t in (_CONTROL, _USER_DEFINED)
+    ]
+
+
+def _sentencepiece_json(f: GgufFile) -> dict:
+    tokens = f.field("tokenizer.ggml.tokens")
+    unk = f.field("tokenizer.ggml.unknown_token_id")
+    normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+    if f.field("tokenizer.ggml.add_space_prefix", True):
+        normalizer = {
+            "type": "Sequence",
+            "normalizers": [{"type": "Prepend", "prepend": SPACE}, normalizer],
+        }
+    decoders = [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if f.field("tokenizer.ggml.add_space_prefix", True):
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0",
+        "added_tokens": _added_tokens(f, tokens),
+        "normalizer": normalizer,
+        "pre_tokenizer": None,
+        "post_processor": _post_processor(f, tokens),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "merges": sentencepiece_merges(f, tokens),
+            "unk_token": tokens[unk] if unk is not None else None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+        },
+    }
+
+
+def sentencepiece_merges(f: GgufFile, tokens: list[str]) -> list[list[str]]:
+    """Every (left, right) whose concatenation is a normal piece, best-scoring result first
+    (then by the parts' ids, as transformers' converter orders them)."""
+    scores = f.field("tokenizer.ggml.scores")
+    types = f.field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    ids = {tok: i for i, tok in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    merges = []
+    for piece, i in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = ids.get(piece[:cut]), ids.get(piece[cut:])
+            if left is not None and right is not None:
+                merges.append((-scores[i], left, right))
+    merges.sort()
+    return [[tokens[a], tokens[b]] for _, a, b in merges]
 
 
 def _pre_tokenizer(regexes: list[str]) -> dict:

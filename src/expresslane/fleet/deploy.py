@@ -77,15 +77,26 @@ def build_application(spec: ClusterSpec, model_dir: str):
     return ingress.bind(spec, model_dir, **pools)
 
 
+# Serve kills an HTTP proxy that is not ready within 5 s and `serve.start` then fails; a busy
+# machine can take longer to import and start one. The controller reads these when it starts.
+SERVE_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
 def connect(num_cpus: float | None = None) -> None:
     """Join the cluster at RAY_ADDRESS, or start a local one (with `num_cpus` logical CPUs:
-    replicas may ask for fractions of them)."""
+    replicas may ask for fractions of them). Serve's processes get `SERVE_ENV` (unless the
+    environment sets those already)."""
     if ray.is_initialized():
         return
+    env = {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
     else:
+        os.environ.update(env)  # a local cluster's processes inherit them
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
@@ -145,6 +156,7 @@ def _start_proxy(spec: ClusterSpec, say: Callable[[str], None]) -> None:
 
 
 def _watch(spec: ClusterSpec, done: threading.Event, timeout_s: float, say) -> None:
+    """Say each pool's progress as it changes, and once more when the deployment is done."""
     deadline, last = time.monotonic() + timeout_s, None
     while not done.wait(2.0):
         line = progress(spec)
@@ -154,6 +166,9 @@ def _watch(spec: ClusterSpec, done: threading.Event, timeout_s: float, say) -> N
         if time.monotonic() > deadline:
             serve.shutdown()
             raise DeployError(f"gave up after {timeout_s:g} s waiting for replicas: {line}")
+    line = progress(spec)
+    if line != last:
+        say(line)
 
 
 def progress(spec: ClusterSpec) -> str:
