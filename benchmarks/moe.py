@@ -50,10 +50,10 @@ def checkpoint(name: str, config_cls: str, model_cls: str, **extra):
 def every_expert(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """The baseline: every expert on every token, the unrouted ones weighted 0."""
     weights, experts = self.route(x)
-    dense = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=x.dtype, device=x.device)
+    dense = torch.zeros(x.shape[0], len(self.gate_up), dtype=x.dtype, device=x.device)
     dense.scatter_(1, experts, weights)
     out = torch.zeros_like(x)
-    for e in range(self.gate_up.shape[0]):
+    for e in range(len(self.gate_up)):
         out += self.expert(e, x) * dense[:, e : e + 1]
     return out
 

@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.act = F.silu if cfg.activation == "silu" else partial(F.gelu, approximate="tanh")
         self.moe = None  # a mixture of experts in place of gate_up/down (models/moe.py)
         if "router" in w:
-            self.moe = SparseMoE(cfg.moe, w["router"], w["experts_gate_up"], w["experts_down"])
+            self.moe = SparseMoE(cfg.moe, w["router"], w)
         else:
             self.gate_up = make_linear(w["gate_up"])
             self.down = make_linear(w["down"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
-from expresslane.models.moe import EXPERT_NAMES, stack_experts
+from expresslane.models.moe import EXPERT_NAMES, expert_weights
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
@@ -76,7 +77,7 @@ def fuse_weights(
                 out[f"layers.{i}.{dst}"] = t
         sparse = cfg.moe is not None and i not in cfg.moe.dense_layers
         if sparse:
-            out.update(_experts(cfg, p, lambda name: take(name), i))
+            out.update(_experts(cfg, p, take, linear_dtype, i))
         for dst, parts in _FUSED.items():
             if (dst == "qkv_bias" or sparse) and p + parts[0] not in raw:
                 continue
@@ -85,11 +86,12 @@ def fuse_weights(
     return out
 
 
-def _experts(cfg: ModelConfig, p: str, take, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's router and stacked experts (models/moe.py), in the compute dtype."""
+def _experts(cfg: ModelConfig, p: str, take, linear_dtype, i: int) -> dict[str, torch.Tensor]:
+    """Layer i's router (in the compute dtype) and experts (linears: `linear_dtype`)."""
     router, prefix, names = EXPERT_NAMES[cfg.architecture]
     tensors = {"router": take(p + router)}
-    tensors.update(stack_experts(take, p + prefix, names, cfg.moe.num_experts))
+    experts = partial(take, to=linear_dtype)
+    tensors.update(expert_weights(experts, p + prefix, names, cfg.moe.num_experts))
     return {f"layers.{i}.{k}": v for k, v in tensors.items()}
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.models.layers import make_linear
+
 # The published checkpoints' names of one layer's router and experts, per architecture:
 # (router, expert prefix, (gate, up, down) under it).
 EXPERT_NAMES = {
@@ -57,29 +59,31 @@ class MoEConfig:
         )
 
 
-def stack_experts(take, prefix: str, names: tuple[str, str, str], n: int) -> dict:
-    """One layer's experts as two stacked tensors: gate and up fused [E, 2I, H], down
-    [E, H, I]. `take(name)` reads a checkpoint tensor."""
+def expert_weights(take, prefix: str, names: tuple[str, str, str], n: int) -> dict:
+    """One layer's experts, `experts.{e}.gate_up` (gate and up fused) and `experts.{e}.down`.
+    `take(name)` reads a checkpoint tensor."""
     gate, up, down = names
-    gate_up = [
-        torch.cat([take(f"{prefix}.{e}.{gate}.weight"), take(f"{prefix}.{e}.{up}.weight")])
-        for e in range(n)
-    ]
-    downs = [take(f"{prefix}.{e}.{down}.weight") for e in range(n)]
-    return {"experts_gate_up": torch.stack(gate_up), "experts_down": torch.stack(downs)}
+    out = {}
+    for e in range(n):
+        parts = [take(f"{prefix}.{e}.{gate}.weight"), take(f"{prefix}.{e}.{up}.weight")]
+        out[f"experts.{e}.gate_up"] = torch.cat(parts)
+        out[f"experts.{e}.down"] = take(f"{prefix}.{e}.{down}.weight")
+    return out
 
 
 class SparseMoE(nn.Module):
-    def __init__(
-        self, cfg: MoEConfig, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-    ):
+    """The experts are the engine's linears (models/layers.py), so on a CPU they take its
+    prepared kernels (bf16 weights: the dot-product kernel) as a dense MLP's do."""
+
+    def __init__(self, cfg: MoEConfig, router: torch.Tensor, w: dict[str, torch.Tensor]):
         super().__init__()
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self.ffn = cfg.intermediate_size
         self.router = nn.Parameter(router, requires_grad=False)  # [E, H]
-        self.gate_up = nn.Parameter(gate_up, requires_grad=False)  # [E, 2I, H]
-        self.down = nn.Parameter(down, requires_grad=False)  # [E, H, I]
+        n = cfg.num_experts
+        self.gate_up = nn.ModuleList(make_linear(w[f"experts.{e}.gate_up"]) for e in range(n))
+        self.down = nn.ModuleList(make_linear(w[f"experts.{e}.down"]) for e in range(n))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k])."""
@@ -90,14 +94,14 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up[e])
-        return F.linear(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :], self.down[e])
+        gu = self.gate_up[e](x)
+        return self.down[e](F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.view(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
         tokens = order // self.top_k  # the token of each (token, choice) pair, by expert
         scale = weights.view(-1)[order, None]
         out = torch.zeros_like(x)
