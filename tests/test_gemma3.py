@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from expresslane import LLM, SamplingParams
-from expresslane.models import load_model
-from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
 from .conftest import make_checkpoint, random_prompts
-from .test_model_parity import hf_greedy, hf_model
+from .test_model_parity import hf_greedy, hf_model, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -35,17 +33,9 @@ def gemma3_dir(tmp_path_factory):
 
 
 def test_prefill_logits_match_transformers(gemma3_dir):
-    model, cfg = load_model(gemma3_dir, torch.float32, torch.device("cpu"), 512)
+    model, cfg, ours, ref = prefill_logits(gemma3_dir, 40, seed=4)
     assert cfg.layer_windows == [8, 8, 8, 8, 8, None, 8]
-    shape = (2, cfg.num_kv_heads, 512, cfg.head_dim)
-    model.bind_kv_cache([torch.zeros(shape) for _ in model.layers])
     assert model.layer_stack is None  # the C++ stack runs Llama blocks only
-    T = 40
-    ids = torch.tensor(random_prompts(1, T, T + 1, seed=4)[0])
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)])
-    ours = model(ids, torch.arange(T), meta)
-    with torch.no_grad():
-        ref = hf_model(gemma3_dir)(ids[None]).logits[0]
     torch.testing.assert_close(ours, ref, atol=5e-5, rtol=1e-4)
 
 

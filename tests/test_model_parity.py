@@ -26,19 +26,23 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
-def test_prefill_logits_match_transformers(checkpoints, arch):
-    path = checkpoints[arch]
+def prefill_logits(path, T: int, seed: int = 0):
+    """(our model, its config, our logits, transformers' logits) of one T-token random prompt
+    prefilled in one piece, float32 on CPU."""
     model, cfg = load_model(path, torch.float32, torch.device("cpu"), 512)
-    T = 100
-    model.bind_kv_cache(
-        [torch.zeros(2, cfg.num_kv_heads, 512, cfg.head_dim) for _ in range(cfg.num_layers)]
-    )
-    ids = torch.tensor(random_prompts(1, T, T + 1)[0])
+    shape = (2, cfg.num_kv_heads, 512, cfg.head_dim)
+    model.bind_kv_cache([torch.zeros(shape) for _ in model.layers])
+    ids = torch.tensor(random_prompts(1, T, T + 1, seed=seed)[0])
     meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)])
     ours = model(ids, torch.arange(T), meta)
     with torch.no_grad():
         ref = hf_model(path)(ids[None]).logits[0]
+    return model, cfg, ours, ref
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_prefill_logits_match_transformers(checkpoints, arch):
+    _, _, ours, ref = prefill_logits(checkpoints[arch], 100)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
 
 

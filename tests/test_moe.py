@@ -8,12 +8,10 @@ import torch
 
 from expresslane import LLM, SamplingParams
 from expresslane.errors import ModelLoadError
-from expresslane.models import load_model
-from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.moe import SparseMoE
 
 from .conftest import MOE_CONFIGS, make_checkpoint, random_prompts
-from .test_model_parity import hf_greedy, hf_model
+from .test_model_parity import hf_greedy, hf_model, prefill_logits
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -26,19 +24,10 @@ def moe_checkpoints(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
 def test_prefill_logits_match_transformers(moe_checkpoints, arch):
-    path = moe_checkpoints[arch]
-    model, cfg = load_model(path, torch.float32, torch.device("cpu"), 512)
+    model, cfg, ours, ref = prefill_logits(moe_checkpoints[arch], 80, seed=3)
     assert cfg.moe is not None and any(layer.moe is not None for layer in model.layers)
     if arch == "qwen3moe":
         assert model.layers[1].moe is None  # mlp_only_layers: a dense layer
-    shape = (2, cfg.num_kv_heads, 512, cfg.head_dim)
-    model.bind_kv_cache([torch.zeros(shape) for _ in model.layers])
-    T = 80
-    ids = torch.tensor(random_prompts(1, T, T + 1, seed=3)[0])
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)])
-    ours = model(ids, torch.arange(T), meta)
-    with torch.no_grad():
-        ref = hf_model(path)(ids[None]).logits[0]
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
 
 
