@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Literal, Protocol
 
 from expresslane.errors import InvalidRequestError
+from expresslane.promise import Promise
 
 LANE_NAMES = ("ultrafast", "default", "flex")
 
@@ -57,6 +58,8 @@ class Lane:
     # Overrides the engine's `speculative` for this lane; False: no speculation here.
     speculative: dict | bool | None = None
     enabled: bool = True
+    # The speed its requests are sold (promise.py): checked at admission, per request, billed.
+    promise: Promise | None = None
 
 
 DEFAULT_LANES = {
@@ -67,6 +70,7 @@ DEFAULT_LANES = {
         price_multiplier=6.0,
         target_tokens_per_s="auto",
         speculative={"method": "ngram", "num_tokens": 12},
+        promise=Promise(),
     ),
     "default": Lane("default", 1, max_batch=64, price_multiplier=1.0),
     "flex": Lane("flex", 2, max_batch=64, price_multiplier=0.5, preemptible=True),
@@ -88,6 +92,10 @@ def build_lanes(overrides: dict | None) -> dict[str, Lane]:
             raise InvalidRequestError(
                 f"unknown setting(s) {unknown} for lane {name!r}; known: {sorted(known)}"
             )
+        if "promise" in values:
+            values = {**values, "promise": Promise.from_table(name, values["promise"])}
+        elif values.get("target_tokens_per_s", "") is None:
+            values = {**values, "promise": None}  # nothing keeps the default promise then
         lanes[name] = replace(lanes[name], **values)
     for lane in lanes.values():
         target = lane.target_tokens_per_s
@@ -103,6 +111,11 @@ def build_lanes(overrides: dict | None) -> dict[str, Lane]:
             raise InvalidRequestError(
                 f"lane {lane.name!r}: target_tokens_per_s must be a positive number, "
                 f'"auto" or unset'
+            )
+        if lane.promise is not None and target is None:
+            raise InvalidRequestError(
+                f"lane {lane.name!r}: a promise needs a target_tokens_per_s (the scheduler "
+                "keeps the promise by holding the lower lanes to the target)"
             )
     if not lanes["default"].enabled:
         raise InvalidRequestError("the default lane cannot be disabled")
@@ -149,12 +162,13 @@ class Placement:
 
 
 def place(
-    lanes: dict[str, Lane], asked: str, who: Entitlement, load: Callable[[str], int]
+    lanes: dict[str, Lane], asked: str, who: Entitlement, room: Callable[[str], bool]
 ) -> Placement:
     """The lane that serves a request that asked for the lane `asked`. A lane the caller may
-    not use is refused, or with `downgrade` its default lane serves; a lane with as many
-    requests in flight (`load`) as its max batch queues them, or (`downgrade`) sends the
-    request to the next lane down the caller may use, or (`reject`) refuses it."""
+    not use is refused, or with `downgrade` its default lane serves; a lane without `room`
+    for it (its max batch reached, or its promise at stake: `engine/lane_room.py`) queues it,
+    or (`downgrade`) sends it to the next lane down the caller may use, or (`reject`)
+    refuses it."""
     if not is_served(lanes, asked):
         return Placement(asked, refusal="not_served")
     if asked not in who.tiers:
@@ -162,7 +176,7 @@ def place(
             return Placement(asked, refusal="not_allowed")
         return Placement(asked, who.default_tier)
     lane = lanes[asked]
-    if load(asked) < lane.max_batch or who.when_unavailable == "queue":
+    if who.when_unavailable == "queue" or room(asked):
         return Placement(asked, asked)
     lower = [
         la for la in lanes.values() if la.rank > lane.rank and la.enabled and la.name in who.tiers

@@ -145,12 +145,27 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from expresslane.server.metering import Ledger, month_start
 
     since = month_start() if args.month else time.time() - args.days * 86400 if args.days else 0
-    rows = Ledger(_db(args)).usage(since)
+    ledger = Ledger(_db(args))
+    if args.promise:
+        return _print_attainment(ledger.attainment(args.window, since), args.json)
+    rows = ledger.usage(since)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     _print_table(
-        ["key", "tier", "requests", "cancelled", "input", "cached", "output", "cost", "TTFT"],
+        [
+            "key",
+            "tier",
+            "requests",
+            "cancelled",
+            "input",
+            "cached",
+            "output",
+            "cost",
+            "refunded",
+            "TTFT",
+            "promise kept",
+        ],
         [
             [
                 r["key_id"],
@@ -161,11 +176,39 @@ def cmd_usage(args: argparse.Namespace) -> int:
                 r["cached_tokens"],
                 r["output_tokens"],
                 f"{r['cost']:.6f}",
+                f"{r['refund'] or 0:.6f}",
                 "-" if r["mean_ttft_s"] is None else f"{r['mean_ttft_s'] * 1000:.0f} ms",
+                f"{r['promise_kept']}/{r['promise_judged']}" if r["promise_judged"] else "-",
             ]
             for r in rows
         ],
         "usage per key and tier",
+    )
+    return 0
+
+
+def _print_attainment(rows: list[dict], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _print_table(
+        ["key", "tier", "window (UTC)", "kept", "attainment", "median tok/s", "promised", "refund"],
+        [
+            [
+                r["key_id"],
+                r["tier"],
+                time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["window_start"])),
+                f"{r['kept']}/{r['judged']}",
+                f"{r['attainment']:.1%}",
+                "-"
+                if r["median_delivered_tokens_per_s"] is None
+                else f"{r['median_delivered_tokens_per_s']:.1f}",
+                f"{r['promised_tokens_per_s']:.1f}",
+                f"{r['refund']:.6f}",
+            ]
+            for r in rows
+        ],
+        "promise attainment per key, tier and window",
     )
     return 0
 
@@ -228,10 +271,22 @@ def add_account_commands(sub) -> None:
     r.add_argument("key")
     k.set_defaults(func=cmd_keys)
 
+    _add_usage_command(sub, db)
+
+
+def _add_usage_command(sub, db: argparse.ArgumentParser) -> None:
     u = sub.add_parser(
         "usage", parents=[db], help="usage and cost per key and tier, from the ledger"
     )
     u.add_argument("--json", action="store_true")
     u.add_argument("--month", action="store_true", help="this calendar month (UTC) only")
     u.add_argument("--days", type=float, default=None, help="the last N days only")
+    u.add_argument(
+        "--promise",
+        action="store_true",
+        help="how each key's requests kept their tier's promise, per window",
+    )
+    u.add_argument(
+        "--window", type=float, default=300.0, help="with --promise: window seconds (300)"
+    )
     u.set_defaults(func=cmd_usage)

@@ -24,6 +24,7 @@ from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
 from expresslane.lanes import LaneCounts
+from expresslane.promise import Stated
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
@@ -113,6 +114,13 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         """Queues, lane targets, speculation counters and KV use, copied now."""
         return self.engine.snapshot()
+
+    def lane_room(self, lane: str, prompt_tokens: int) -> bool:
+        scheduler = self.engine.scheduler
+        return scheduler.has_room(lane, prompt_tokens, self.lane_load(lane))
+
+    def promises(self) -> dict[str, Stated]:
+        return dict(self.engine.scheduler.room.stated)
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Validate and enqueue a default-lane request; must be called from a running event

@@ -88,8 +88,10 @@ class LaneTargets:
             self.scheduler.set_solo_fraction(lane.name, lane.solo_fraction if auto else None)
             tokens_per_s = None if auto or target is None else float(target)
             self.scheduler.set_target(lane.name, tokens_per_s)
-        for lane, tokens_per_s in self.per_request().items():
+        per_request = self.per_request()
+        for lane, tokens_per_s in per_request.items():
             log.info("lane %s: target %.0f tokens/s per request", lane, tokens_per_s)
+        self.scheduler.room.resolve(per_request)
         self.resolved = True
 
     def solo_tokens_per_s(self) -> float:

@@ -11,6 +11,7 @@ from expresslane.engine.output import RequestOutput
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
 from expresslane.lanes import Lane
+from expresslane.promise import Stated
 from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
@@ -72,6 +73,15 @@ class ServingEngine(Protocol):
     def abort(self, request_id: str) -> None: ...
     def lane_load(self, lane: str) -> int:
         """Requests of this lane submitted and not finished yet (a `lanes.LaneCounts`)."""
+
+    def lane_room(self, lane: str, prompt_tokens: int) -> bool:
+        """Whether the lane can take one more request (of a prompt of about `prompt_tokens`)
+        now: below its max batch and, for a lane with a promise, keeping it for all
+        (`engine/lane_room.py`)."""
+
+    def promises(self) -> dict[str, Stated]:
+        """Each lane's promise as stated (published, and checked per request); a lane whose
+        "auto" promise is not measured yet has none."""
 
     def is_alive(self) -> bool: ...
     def grammar_literal(self, text: str) -> str: ...

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from expresslane.config import EngineConfig
 from expresslane.engine.kv_cache import KVCacheManager
+from expresslane.engine.lane_room import LaneRoom
 from expresslane.engine.request import Request, Status
 from expresslane.engine.step_credit import StepCredit
 from expresslane.engine.step_model import StepLatencyModel
@@ -84,6 +85,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_steps = 0
         self._turns = itertools.count(1)  # a request's turn: when it was last scheduled
+        # whether a lane with a promise has room for one more (admission by prediction)
+        self.room = LaneRoom(
+            self.lanes, self.step_model, self.stretched, self.max_num_batched_tokens
+        )
 
     def set_target(self, lane: str, tokens_per_s: float | None) -> None:
         """Hold `lane`'s requests at `tokens_per_s` each (None: no target)."""
@@ -99,6 +104,24 @@ class Scheduler:
             self.solo_fractions.pop(lane, None)
         else:
             self.solo_fractions[lane] = fraction
+
+    def stretched(self, lane: str, seconds: float) -> float:
+        """The step time `lane`'s requests see when their own rows take `seconds` and the
+        lower lanes, busy, add all that the lane's target lets them."""
+        fraction = self.solo_fractions.get(lane)
+        if fraction is not None:
+            return seconds / fraction
+        target = self.targets.get(lane)
+        if target is None:
+            return seconds
+        limit = STEP_HEADROOM * self.tokens_per_step.get(lane, 1.0) / target
+        return max(seconds * (1 + LOWER_LANE_SHARE), limit)
+
+    def has_room(self, lane: str, prompt_tokens: int, in_flight: int = 0) -> bool:
+        """Whether `lane` can take one more request now and keep its promise (`LaneRoom`);
+        safe from another thread: the lists are copied first."""
+        held = [r for r in (*list(self.running), *list(self.waiting)) if r.lane == lane]
+        return self.room.fits(lane, prompt_tokens, held, in_flight)
 
     def targeted(self, lane: str) -> bool:
         """Whether `lane` holds the lower lanes back for its own speed."""
@@ -242,9 +265,12 @@ class Scheduler:
         """Admit waiting requests of one lane (`lane_running` of it running); True if
         admission stopped for lack of budget, sequence slots, blocks or step time (so later
         lanes must wait too)."""
+        promised = lane in self.room.stated
         for req in [r for r in self.waiting if r.lane == lane]:
             if lane_running >= self.lanes[lane].max_batch:
                 return False  # this lane is full; the next one may still have room
+            if promised and not self._keeps_promise(req):
+                return False  # it waits until the lane's promise has room for it
             budget = self.max_num_batched_tokens - batch.num_tokens
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return True
@@ -266,6 +292,10 @@ class Scheduler:
             lane_running += 1
             batch.add(req, n)
         return False
+
+    def _keeps_promise(self, req: Request) -> bool:
+        beside = [r for r in self.running if r.lane == req.lane]
+        return self.room.fits(req.lane, req.num_tokens, beside)
 
     def _make_room_for_waiting(self, batch: ScheduledBatch) -> None:
         """Preempt preemptible requests that stand in the way of a better-ranked waiting one."""

@@ -29,6 +29,7 @@ from expresslane.fleet.router import prefix_hashes
 from expresslane.lanes import LANE_NAMES, LaneCounts, build_lanes
 from expresslane.model_source import resolve_model
 from expresslane.models.config import ModelConfig
+from expresslane.promise import Stated
 from expresslane.server.errors import APIError
 
 log = logging.getLogger("expresslane.fleet")
@@ -201,6 +202,19 @@ class FleetEngine:
 
     def is_alive(self) -> bool:
         return True
+
+    def lane_room(self, lane: str, prompt_tokens: int) -> bool:
+        """Room by count: the lane's max batch here is its pools' batch room."""
+        return self.lane_load(lane) < self._lanes[lane].max_batch
+
+    def promises(self) -> dict[str, Stated]:
+        """The promises the cluster file states as numbers (an "auto" one is measured by
+        each replica, and not published by the ingress)."""
+        return {
+            name: lane.promise.stated(0, 0)
+            for name, lane in self._lanes.items()
+            if lane.promise is not None and not lane.promise.is_auto
+        }
 
     def snapshot(self) -> EngineSnapshot:
         """What this ingress has in flight (the replicas' own queues are theirs)."""

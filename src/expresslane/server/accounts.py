@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from expresslane.lanes import LANE_NAMES, Lane, lane_for, place, queue_capacity, served
+from expresslane.promise import Stated, Verdict
 from expresslane.server.database import connect
 from expresslane.server.errors import APIError
 from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan
@@ -41,6 +42,7 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
     # what the request's generations used (summed over its choices), for its log line
     usage: dict[str, float] = field(default_factory=dict)
+    promise: Stated | None = None  # the serving lane's promise, each generation judged by it
 
     @property
     def owner(self) -> str:
@@ -123,11 +125,12 @@ class Accounts:
             401, f"Incorrect or revoked API key provided: {secret[:6]}…", code="invalid_api_key"
         )
 
-    def admit(self, key: ApiKey, service_tier: str | None, lane_load) -> Ticket:
+    def admit(self, key: ApiKey, service_tier: str | None, lane_load, room) -> Ticket:
         """Decide the lane that serves a request (the policy is `lanes.place`); raises
-        400/403/429 APIErrors. `lane_load(lane)` counts the requests of that lane in flight."""
+        400/403/429 APIErrors. `lane_load(lane)` counts the requests of that lane in flight,
+        `room(lane)` says whether it can take one more now (`ServingEngine.lane_room`)."""
         plan = key.plan
-        placed = place(self.lanes, lane_for(service_tier, plan.default_tier), plan, lane_load)
+        placed = place(self.lanes, lane_for(service_tier, plan.default_tier), plan, room)
         asked = placed.asked
         if placed.refusal == "not_served":
             raise APIError(
@@ -146,13 +149,14 @@ class Accounts:
                 code="tier_not_allowed",
             )
         if placed.refusal == "at_capacity":
-            most = self.lanes[asked].max_batch
+            running = lane_load(asked)
             raise self._busy(
                 key,
                 asked,
-                most,
-                f"The '{asked}' tier is at capacity ({most} requests in flight); retry "
-                "shortly, or use another tier.",
+                running,
+                f"The '{asked}' tier is at capacity ({running} requests in flight: one more "
+                "would slow them below the tier's promised speed, or past its max batch); "
+                "retry shortly, or use another tier.",
                 "tier_at_capacity",
             )
         lane = placed.lane
@@ -251,9 +255,10 @@ class Accounts:
         output_tokens: int,
         estimated_tokens: int,
         timings: dict[str, float | None],
-    ) -> None:
-        """Write the ledger row of an ended request and settle its token estimate. A request
-        that failed on the server's side costs nothing."""
+    ) -> LedgerRow:
+        """Write the ledger row of an ended request and settle its token estimate (and return
+        it). A request that failed on the server's side costs nothing; one that finished on
+        a lane with a promise is judged by it (`_judge`)."""
         used = input_tokens + output_tokens
         left = self.in_flight.get(ticket.key.id, 1) - 1
         if left > 0:
@@ -264,7 +269,28 @@ class Accounts:
         tokens = (input_tokens, cached_tokens, output_tokens)
         ticket.add_usage(tokens, timings)
         ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.lane, model)
-        self.ledger.record(self._row(*ids, status, *tokens, timings))
+        row = self._row(*ids, status, *tokens, timings)
+        if ticket.promise is not None and status in ("stop", "length"):
+            self._judge(row, ticket.promise, timings)
+        self.ledger.record(row)
+        return row
+
+    def _judge(self, row: LedgerRow, promise: Stated, timings: dict[str, float | None]) -> None:
+        """Record the promise and what was delivered on the row; a request that missed its
+        promise is billed at the default lane's price, the difference recorded as refund."""
+        verdict: Verdict = promise.judge(
+            row.input_tokens, row.output_tokens, timings.get("ttft_s"), timings.get("decode_s")
+        )
+        row.promised_tokens_per_s = promise.tokens_per_s
+        row.promised_ttft_s = promise.ttft_allowed(row.input_tokens)
+        row.delivered_tokens_per_s = verdict.delivered_tokens_per_s
+        row.promise_kept = int(verdict.kept)
+        if not verdict.kept:
+            default = self.lanes["default"].price_multiplier
+            tokens = (row.input_tokens, row.cached_tokens, row.output_tokens)
+            billed = self.prices.cost(*tokens, default)
+            row.refund = max(0.0, row.cost - billed)
+            row.cost -= row.refund
 
     def _row(
         self,

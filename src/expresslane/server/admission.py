@@ -132,7 +132,7 @@ async def admit_and_submit(
     model = state.check_model(body.model)
     body = with_model_defaults(body, state.engine.sampling_defaults)
     chars = endpoint.check(state, body)
-    ticket = state.admit(key, body.service_tier)
+    ticket = state.admit(key, body.service_tier, chars)
     if http is not None:
         http.state.ticket = ticket
     admission = Admission(state, ticket, endpoint.api(body), body.cache_salt, chars)

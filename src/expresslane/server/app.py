@@ -1,8 +1,9 @@
 """The FastAPI app (`create_app`); `expresslane serve` is `cli/serving.py`.
 
 Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/models,
-/health (alive), /ready (taking work: 503 while starting or draining), /metrics, the
-playground at / (`pages.py`) and /docs, /redoc (their scripts served from here, not a CDN).
+/v1/tiers (each tier's price and promise), /health (alive), /ready (taking work: 503 while
+starting or draining), /metrics, the playground at / (`pages.py`) and /docs, /redoc (their
+scripts served from here, not a CDN).
 The server talks to the engine only through `AsyncEngine`.
 """
 
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 
 from expresslane.engine.protocol import ServingEngine
-from expresslane.server import chat, completions, responses, tokenize, websocket
+from expresslane.server import chat, completions, responses, tiers, tokenize, websocket
 from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
 from expresslane.server.durability import recover
@@ -73,7 +74,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.state.lifecycle = lifecycle
     install_error_handlers(app)
     _add_middleware(app, settings, accounts, lifecycle)
-    for module in (responses, websocket, chat, completions, tokenize):
+    for module in (responses, websocket, chat, completions, tokenize, tiers):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     app.include_router(_models, responses=ERROR_RESPONSES)
     app.include_router(_operations)

@@ -3,7 +3,8 @@ rate-limit headers on its response, streamed or not.
 
 The authenticated key is left in the request's state (`request.state.api_key`); the route sets
 `request.state.ticket` once it has admitted the request, and the ticket's `x-ratelimit-*`
-headers are added when the response starts.
+headers and the tier that serves it (`x-expresslane-served-tier`, a downgraded request's
+included) are added when the response starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from expresslane.server.database import DatabaseUnavailable
 from expresslane.server.errors import APIError, database_unavailable
 
 log = logging.getLogger("expresslane.server")
+SERVED_TIER = "x-expresslane-served-tier"
 
 
 class AuthMiddleware:
@@ -43,11 +45,12 @@ class AuthMiddleware:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 ticket = state.get("ticket")
-                if ticket is not None and ticket.headers:
+                if ticket is not None:
                     present = {k.lower() for k, _ in message.get("headers", [])}
+                    served = {SERVED_TIER: ticket.lane}
                     extra = [
                         (k.encode(), v.encode())
-                        for k, v in ticket.headers.items()
+                        for k, v in {**ticket.headers, **served}.items()
                         if k.encode() not in present
                     ]
                     message = {**message, "headers": [*message.get("headers", []), *extra]}

@@ -142,7 +142,7 @@ class Generation:
         out, req = self.last, self.request
         first = self.first_token
         queue = out.metrics.queue_time if out is not None else None
-        self.state.accounts.finish(
+        row = self.state.accounts.finish(
             self.ticket,
             self.request_id,
             self.state.model_name,
@@ -158,6 +158,8 @@ class Generation:
                 "e2e_s": now - self.received,
             },
         )
+        if row.promise_kept is not None:
+            self.state.metrics.promises.observe(self.lane, self.ticket.key.id, row)
 
 
 async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:

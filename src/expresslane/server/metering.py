@@ -11,6 +11,7 @@ by a fleet's servers).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, fields
 
@@ -52,6 +53,20 @@ MIGRATIONS = [
         (
             "CREATE UNIQUE INDEX IF NOT EXISTS ledger_interrupted_once ON ledger (request_id) "
             "WHERE status = 'interrupted'",
+        ),
+    ),
+    # A lane's promise (promise.py): what was promised and delivered, a miss's refund.
+    Migration(
+        3,
+        tuple(
+            f"ALTER TABLE ledger ADD COLUMN {column}"
+            for column in (
+                "promised_tokens_per_s REAL",
+                "promised_ttft_s REAL",
+                "delivered_tokens_per_s REAL",
+                "promise_kept INTEGER",
+                "refund REAL NOT NULL DEFAULT 0",
+            )
         ),
     ),
 ]
@@ -101,7 +116,13 @@ class LedgerRow:
     ttft_s: float | None
     decode_s: float | None
     e2e_s: float | None
-    cost: float
+    cost: float  # what is billed, the refund taken off
+    # on a lane with a promise, for a finished request (None elsewhere)
+    promised_tokens_per_s: float | None = None
+    promised_ttft_s: float | None = None  # for this request's prompt length
+    delivered_tokens_per_s: float | None = None
+    promise_kept: int | None = None  # 1 kept, 0 missed
+    refund: float = 0.0
 
 
 def month_start(now: float | None = None) -> float:
@@ -152,7 +173,8 @@ class Ledger:
             "SUM(CASE WHEN status = 'abort' THEN 1 ELSE 0 END), "
             "SUM(CASE WHEN status = 'interrupted' THEN 1 ELSE 0 END), SUM(input_tokens), "
             "SUM(cached_tokens), SUM(output_tokens), SUM(cost), AVG(ttft_s), "
-            "SUM(output_tokens) / NULLIF(SUM(decode_s), 0) "
+            "SUM(output_tokens) / NULLIF(SUM(decode_s), 0), COUNT(promise_kept), "
+            "COALESCE(SUM(promise_kept), 0), SUM(refund) "
             "FROM ledger WHERE ts >= ? GROUP BY key_id, tier_served "
             "ORDER BY key_id, tier_served",
             (since or 0.0,),
@@ -169,8 +191,28 @@ class Ledger:
             "cost",
             "mean_ttft_s",
             "decode_tokens_per_s",
+            "promise_judged",
+            "promise_kept",
+            "refund",
         ]
         return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def attainment(self, window_s: float, since: float | None = None) -> list[dict]:
+        """How each key's requests kept their tier's promise, per window of `window_s`
+        seconds: judged, kept, the delivered speed's median and the promised one, refunds."""
+        rows = self.db.execute(
+            "SELECT key_id, tier_served, ts, promise_kept, delivered_tokens_per_s, "
+            "promised_tokens_per_s, refund FROM ledger "
+            "WHERE promise_kept IS NOT NULL AND ts >= ? ORDER BY ts",
+            (since or 0.0,),
+        ).rows
+        groups: dict[tuple, list] = {}
+        for key, tier, ts, kept, delivered, promised, refund in rows:
+            start = ts - ts % window_s
+            groups.setdefault((key, tier, start), []).append((kept, delivered, promised, refund))
+        return [
+            _window_row(key, tier, start, window_s, g) for (key, tier, start), g in groups.items()
+        ]
 
     def rows(self, request_id: str | None = None) -> list[dict]:
         result = self.db.execute(
@@ -179,3 +221,19 @@ class Ledger:
             (request_id + "%",) if request_id else (),
         )
         return [dict(zip(result.columns, r, strict=True)) for r in result.rows]
+
+
+def _window_row(key: str, tier: str, start: float, window_s: float, rows: list) -> dict:
+    speeds = sorted(d for _, d, _, _ in rows if d is not None)
+    return {
+        "key_id": key,
+        "tier": tier,
+        "window_start": start,
+        "window_s": window_s,
+        "judged": len(rows),
+        "kept": sum(k for k, _, _, _ in rows),
+        "attainment": sum(k for k, _, _, _ in rows) / len(rows),
+        "median_delivered_tokens_per_s": statistics.median(speeds) if speeds else None,
+        "promised_tokens_per_s": rows[-1][2],
+        "refund": sum(r for _, _, _, r in rows),
+    }

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from expresslane.engine.output import RequestOutput
 from expresslane.lanes import LANE_NAMES
+from expresslane.server.attainment import PromiseMetrics
 
 P = "expresslane:"
 LABELS = ["model_name", "tier"]
@@ -200,6 +201,7 @@ class ServerMetrics:
             LABELS + ["finished_reason"],
             registry=r,
         )
+        self.promises = PromiseMetrics(r, engine, model_name)
         if engine is not None:
             r.register(_EngineCollector(engine, model_name))
 

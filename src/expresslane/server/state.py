@@ -20,6 +20,10 @@ from expresslane.server.store import ResponseStore
 from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.tool_prompt import ToolPromptTokenizer
 
+# Admission predicts a lane's room before the prompt is tokenized: from its characters, at
+# about this many per token (English text and code with BPE vocabularies).
+CHARS_PER_TOKEN = 4
+
 
 @dataclass
 class ServerState:
@@ -89,10 +93,17 @@ class ServerState:
             code="model_not_found",
         )
 
-    def admit(self, key: ApiKey, service_tier: str | None) -> Ticket:
+    def admit(self, key: ApiKey, service_tier: str | None, prompt_chars: int = 0) -> Ticket:
         """The ticket of a request of this key (HTTP or WebSocket; `admission.py`): the lane
-        that serves it, which the engine must be able to place in the key's regions."""
-        ticket = self.accounts.admit(key, service_tier, self.engine.lane_load)
+        that serves it, which the engine must be able to place in the key's regions. Whether
+        a lane has room is predicted for a prompt of about `prompt_chars` characters."""
+        tokens = prompt_chars // CHARS_PER_TOKEN + 1
+
+        def room(lane: str) -> bool:
+            return self.engine.lane_room(lane, tokens)
+
+        ticket = self.accounts.admit(key, service_tier, self.engine.lane_load, room)
+        ticket.promise = self.engine.promises().get(ticket.lane)
         self.engine.check_placement(ticket.lane, ticket.regions)
         return ticket
 
