@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from expresslane.cli import main as cli
 from expresslane.config import EngineConfig
 from expresslane.engine.async_engine import AsyncEngine
 from expresslane.engine.engine import LLMEngine
@@ -190,3 +191,18 @@ def test_missed_promises_are_billed_at_the_default_price(server, engine, db, key
     usage = {u["tier"]: u for u in usage if u["key_id"] == mine}
     assert usage["ultrafast"]["refund"] > 0
     assert "promise attainment per key" in run_cli("usage", "--promise", "--db", db)
+
+
+def test_bench_reports_the_promise_from_the_client_side(server, keys, tmp_path):
+    out = tmp_path / "bench"
+    args = ["bench", "--base-url", server.url, "--api", "chat", "--api-key", keys["bill"]]
+    args += ["--concurrency", "2", "--requests", "4", "--input-tokens", "12"]
+    args += ["--output-tokens", "20", "--quiet", "--out", str(out)]
+    assert cli(args) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["promises"]["ultrafast"]["tokens_per_s"] == 30.0
+    fast = data["runs"][0]["summary"]["promises"]["ultrafast"]
+    assert fast["requests"] == 4 and fast["promised_tokens_per_s"] == 30.0
+    assert fast["kept"] == round(fast["attainment"] * 4)
+    assert fast["delivered_tokens_per_s"]["count"] >= 1
+    assert "Promises (published at /v1/tiers" in (out / "report.md").read_text()

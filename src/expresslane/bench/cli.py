@@ -321,6 +321,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from expresslane.bench.metrics import parse_slo
+    from expresslane.bench.promises import published
     from expresslane.bench.runner import run_benchmark
 
     if not args.base_url:
@@ -337,6 +338,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.requests is None and args.duration is None:
         args.requests = workload.default_requests()
     target = _target(args)
+    promises = published(target)
     results = asyncio.run(
         run_benchmark(
             target,
@@ -349,7 +351,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             show_progress=not args.quiet and sys.stderr.isatty(),
         )
     )
-    return _report(args, target, started_at, slo, results)
+    return _report(args, target, started_at, slo, results, promises)
 
 
 AGENT_TOOL_CHOICE = "required"  # the agent's default: `agent.py`
@@ -359,7 +361,7 @@ def _is_agent(args: argparse.Namespace) -> bool:
     return args.workload.partition(":")[0] == "agent"
 
 
-def _report(args, target: Target, started_at: datetime, slo, results) -> int:
+def _report(args, target: Target, started_at: datetime, slo, results, promises) -> int:
     from rich.console import Console
 
     from expresslane.bench.plots import write_plots
@@ -381,6 +383,7 @@ def _report(args, target: Target, started_at: datetime, slo, results) -> int:
         "slo": slo or None,
         "response_format": args.response_format,
         "tool_choice": args.tool_choice or (AGENT_TOOL_CHOICE if _is_agent(args) else None),
+        "promises": promises,
     }
     data = build_results(meta, results, slo)
     out = Path(args.out)

@@ -7,7 +7,8 @@
               "workload", "tier", "seed", "started_at" (ISO 8601 UTC), "expresslane_version",
               "command", "requests", "duration_s", "slo",
               "response_format": null|"json_object"|"json_schema",
-              "tool_choice": null|"auto"|"required"|"named" (agent: how forced turns are sent)},
+              "tool_choice": null|"auto"|"required"|"named" (agent: how forced turns are sent),
+              "promises": {TIER: the promise published at /v1/tiers}},
      "runs": [{"label": "c=8" | "rate=2",
                "concurrency": 8 | "rate": 2.0,
                "started_at": ISO 8601,
@@ -21,6 +22,10 @@
                                             "per_request_tokens_per_s"}},
                            "pools": {POOL/TIER: same as tiers} (a fleet: from the
                                x-expresslane-pool header),
+                           "promises" (tiers with a promise published at /v1/tiers):
+                               {TIER: {"promised_tokens_per_s", "floor_tokens_per_s",
+                                       "promised_ttft_s", "delivered_tokens_per_s", "ttft",
+                                       "requests", "kept", "attainment"}},
                            "agent" (agent workload only): {"tasks", "verified", "accepted",
                                "acceptance_rate", "tasks_per_hour", "stops": {STOP: n},
                                "task_s", "queue_prompt_s", "generation_s", "tool_s",
@@ -59,6 +64,7 @@ from expresslane.bench.agent_metrics import (
 from expresslane.bench.checks import CHECK_DEFINITIONS, check_lines, summarize_checks
 from expresslane.bench.headline import HEADLINES, fmt
 from expresslane.bench.metrics import DEFINITIONS, summarize
+from expresslane.bench.promises import judge_tiers
 from expresslane.bench.runner import RunResult
 
 SCHEMA_VERSION = 1
@@ -73,7 +79,9 @@ STAT_ROWS = (
 )
 
 
-def run_entry(result: RunResult, slo: dict[str, float] | None) -> dict[str, Any]:
+def run_entry(
+    result: RunResult, slo: dict[str, float] | None, promises: dict | None = None
+) -> dict[str, Any]:
     level = result.level
     entry: dict[str, Any] = {"label": level.label}
     if level.concurrency is not None:
@@ -85,6 +93,8 @@ def run_entry(result: RunResult, slo: dict[str, float] | None) -> dict[str, Any]
     checks = summarize_checks(result.records)
     if checks:
         entry["summary"]["checks"] = checks
+    if promises:
+        entry["summary"]["promises"] = judge_tiers(result.records, promises)
     entry["records"] = [r.to_dict() for r in result.records]
     if result.tasks:
         entry["tasks"] = task_entries(result.tasks, result.records)
@@ -98,7 +108,7 @@ def build_results(
     return {
         "schema_version": SCHEMA_VERSION,
         "meta": meta,
-        "runs": [run_entry(r, slo) for r in results],
+        "runs": [run_entry(r, slo, meta.get("promises")) for r in results],
     }
 
 
@@ -187,6 +197,8 @@ def run_section(run: dict[str, Any]) -> list[str]:
                 for name, t in s[group].items()
             ]
             lines += [""] + _table([title, "requests", "TTFT p50 ms", "tok/s p50"], rows)
+    if s.get("promises"):
+        lines += [""] + promise_lines(s["promises"])
     if s.get("checks"):
         lines += [""] + check_lines(s["checks"])
     if s["error_messages"]:
@@ -194,6 +206,36 @@ def run_section(run: dict[str, Any]) -> list[str]:
     if s.get("agent"):
         lines += agent_section(s["agent"])
     return lines
+
+
+def promise_lines(promises: dict[str, Any]) -> list[str]:
+    """Each tier's published promise against what this client measured."""
+    rows = [
+        [
+            tier,
+            fmt(p["promised_tokens_per_s"]),
+            fmt(p["delivered_tokens_per_s"]["p50"]),
+            fmt(p["floor_tokens_per_s"]),
+            fmt(p["promised_ttft_s"] * 1000),
+            fmt(_ms(p["ttft"]["p50"])),
+            f"{p['kept']}/{p['requests']}",
+            fmt(100 * p["attainment"], 1),
+        ]
+        for tier, p in promises.items()
+    ]
+    header = [
+        "tier",
+        "promised tok/s (p50)",
+        "delivered tok/s p50",
+        "floor tok/s",
+        "promised TTFT ms",
+        "TTFT p50 ms",
+        "kept",
+        "attainment %",
+    ]
+    return ["Promises (published at /v1/tiers; judged here, client-side):", ""] + _table(
+        header, rows
+    )
 
 
 def agent_section(a: dict[str, Any]) -> list[str]:
