@@ -88,7 +88,8 @@ def existing_file(text: str) -> str:
 
 
 def parse_lane_flags(flags: list[str]) -> dict:
-    """['ultrafast.max_batch=2', ...] -> {'ultrafast': {'max_batch': 2}}; values are TOML."""
+    """['ultrafast.max_batch=2', ...] -> {'ultrafast': {'max_batch': 2}}; values are TOML. A
+    dotted setting is a table's: 'ultrafast.promise.tokens_per_s=40'."""
     lanes: dict = {}
     for flag in flags:
         name, eq, value = flag.partition("=")
@@ -99,7 +100,11 @@ def parse_lane_flags(flags: list[str]) -> dict:
             parsed = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
             parsed = value  # a bare word, e.g. auto
-        lanes.setdefault(lane, {})[setting] = parsed
+        table = lanes.setdefault(lane, {})
+        *tables, last = setting.split(".")
+        for key in tables:
+            table = table.setdefault(key, {})
+        table[last] = parsed
     return lanes
 
 

@@ -24,8 +24,10 @@ from expresslane.promise import Stated
 log = logging.getLogger("expresslane.engine")
 
 # An "auto" promise is this fraction of the lane's per-request target: the target is what the
-# scheduler aims at, the promise what is sold, with room for a busy machine's noise.
-PROMISE_OF_TARGET = 0.8
+# scheduler aims at, the promise what is sold, with room for a busy machine's noise (on a
+# 2-core CPU shared with the HTTP server, ultrafast under load kept 56-93% of its solo speed
+# over starts: BENCHMARKS.md). Its floor per request is half of it again (`floor_fraction`).
+PROMISE_OF_TARGET = 0.5
 # An "auto" TTFT promise: this many times the predicted prefill of `prompt_tokens` alone under
 # the lane's target, and at least TTFT_FLOOR_S (the server's own work: HTTP, templates).
 TTFT_MARGIN = 3.0

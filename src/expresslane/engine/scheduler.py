@@ -298,13 +298,15 @@ class Scheduler:
         return self.room.fits(req.lane, req.num_tokens, beside)
 
     def _make_room_for_waiting(self, batch: ScheduledBatch) -> None:
-        """Preempt preemptible requests that stand in the way of a better-ranked waiting one."""
+        """Preempt preemptible requests that stand in the way of a better-ranked waiting one
+        (one that could start: a request its lane's promise holds back preempts nothing)."""
         running_by_lane = _count_by_lane(self.running)
         head = next(
             (
                 r
                 for r in self.waiting
                 if running_by_lane.get(r.lane, 0) < self.lanes[r.lane].max_batch
+                and (r.lane not in self.room.stated or self._keeps_promise(r))
             ),
             None,
         )
