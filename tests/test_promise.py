@@ -57,11 +57,12 @@ def test_published_numbers_round_to_the_safe_side():
     assert _round(1234.0) == 1200.0
 
 
-def _engine(llama_dir, promise) -> LLMEngine:
+def _engine(llama_dir, promise, **options) -> LLMEngine:
     lanes = {"ultrafast": {"max_batch": 4, "speculative": False, "promise": promise}}
-    engine = LLMEngine(
-        EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256, lanes=lanes)
+    config = EngineConfig(
+        model=str(llama_dir), dtype="float32", num_kv_blocks=256, lanes=lanes, **options
     )
+    engine = LLMEngine(config)
     engine.step_model.set_costs(COSTS)
     engine.step_model.refit_every = 10**9  # the costs stay as set while the test steps
     engine.targets.resolve()
@@ -108,3 +109,21 @@ def test_a_long_prompt_needs_ttft_room(llama_dir):
     engine.step()
     assert engine.scheduler.has_room("ultrafast", 100)
     assert not engine.scheduler.has_room("ultrafast", 2_000)
+
+
+def test_a_request_the_promise_holds_back_preempts_no_flex(llama_dir):
+    engine = _engine(llama_dir, PROMISE, max_batch=3)  # sequence slots: two ultrafast + flex
+    prompts = random_prompts(4, 8, 16)
+    engine.add_request(prompts[3], LONG, request_id="f", lane="flex")
+    for i in range(2):
+        engine.add_request(prompts[i], LONG, request_id=f"u{i}", lane="ultrafast")
+    flex = engine.requests["f"]
+    for _ in range(100):  # flex gets its share of the steps in time
+        engine.step()
+        if flex.num_computed_tokens > 0:
+            break
+    engine.add_request(prompts[2], LONG, request_id="u2", lane="ultrafast")
+    for _ in range(5):
+        engine.step()
+    assert flex.metrics.num_preemptions == 0
+    assert {r.request_id for r in engine.scheduler.running} == {"u0", "u1", "f"}
