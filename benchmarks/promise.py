@@ -54,12 +54,13 @@ def make_key(db: str, name: str, *flags: str) -> str:
 class Server:
     def __init__(self, args, accounts: str):
         cmd = [sys.executable, "-m", "expresslane.cli", "serve", "--port", str(args.port)]
+        cmd += ["--log-format", "json"]
         if args.model:
             cmd += ["--model", args.model]
         env = {**os.environ, "EXPRESSLANE_ACCOUNTS": accounts, "EXPRESSLANE_STORE": ":memory:"}
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self.log = Path(accounts).with_name("server.log")
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{args.port}"
 
     async def ready(self, http: httpx.AsyncClient, key: str) -> dict:
@@ -85,9 +86,9 @@ def auth(key: str) -> dict:
     return {"authorization": f"Bearer {key}"}
 
 
-async def request(http, server, key: str, tier: str, max_tokens: int) -> dict:
+async def request(http, server, key: str, tier: str, max_tokens: int, stamps=None) -> dict:
     """One streamed completion: when its answer began, its status and served tier, and a
-    timestamp per received token."""
+    timestamp per received token (appended to `stamps` as they come, if given)."""
     body = {
         "model": server.model,
         "prompt": PROMPT,
@@ -98,7 +99,7 @@ async def request(http, server, key: str, tier: str, max_tokens: int) -> dict:
         "service_tier": tier,
     }
     sent = time.perf_counter()
-    out = {"sent": sent, "stamps": []}
+    out = {"sent": sent, "stamps": [] if stamps is None else stamps}
     async with http.stream(
         "POST", server.url + "/v1/completions", json=body, headers=auth(key)
     ) as r:
@@ -114,8 +115,7 @@ async def request(http, server, key: str, tier: str, max_tokens: int) -> dict:
 
 async def default_worker(http, server, key, args, stamps: list[float], stop: asyncio.Event):
     while not stop.is_set():
-        got = await request(http, server, key, "default", args.default_tokens)
-        stamps.extend(got["stamps"])
+        await request(http, server, key, "default", args.default_tokens, stamps)
 
 
 async def ultrafast_worker(http, server, key, args, results: list[dict], until: float):
@@ -215,6 +215,23 @@ def report_level(s: dict, alone: float, promise: dict) -> None:
     )
 
 
+def server_decisions(log: Path) -> dict:
+    """The server's own time for each 429 it answered (its request log): the decision alone,
+    without the client's or the network's share."""
+    ms = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if entry.get("status") == 429 and entry.get("path") == "/v1/completions":
+                ms.append(1000 * entry["duration_s"])
+    return {
+        "refusals": len(ms),
+        "p50_ms": pct(ms, 50),
+        "p99_ms": pct(ms, 99),
+        "max_ms": max(ms, default=None),
+    }
+
+
 def ledger_check(db: str) -> dict:
     """The ledger's ultrafast-requested rows: promise kept, prices as served, totals."""
     conn = sqlite3.connect(db)
@@ -296,6 +313,13 @@ def main() -> None:
     finally:
         server.stop()
     result["promise"] = tiers["ultrafast"]["promise"]
+    result["server_decisions"] = decided = server_decisions(server.log)
+    print(
+        f"server-side 429 decisions: {decided['refusals']}, p50/p99/max "
+        f"{decided['p50_ms']:.1f}/{decided['p99_ms']:.1f}/{decided['max_ms']:.1f} ms"
+        if decided["refusals"]
+        else "no 429 answered"
+    )
     result["ledger"] = ledger_check(db)
     led = result["ledger"]
     print(

@@ -127,3 +127,15 @@ def test_a_request_the_promise_holds_back_preempts_no_flex(llama_dir):
         engine.step()
     assert flex.metrics.num_preemptions == 0
     assert {r.request_id for r in engine.scheduler.running} == {"u0", "u1", "f"}
+
+
+def test_a_lane_measured_below_its_promise_has_no_room(llama_dir):
+    # The model predicts 3 million tokens/s for two requests; the real ones decode far slower.
+    engine = _engine(llama_dir, {"tokens_per_s": 1e6, "ttft_s": 5.0})
+    engine.step_model.set_costs([1e-7, 1e-7, 0.0, 0.0])
+    req = engine.add_request(random_prompts(1, 8, 9)[0], LONG, request_id="u0", lane="ultrafast")
+    engine.step()
+    assert engine.scheduler.has_room("ultrafast", 10)  # no speed measured yet
+    while req.metrics.recent_tokens_per_s is None:
+        engine.step()
+    assert not engine.scheduler.has_room("ultrafast", 10)

@@ -2,9 +2,11 @@
 request. The step-latency model predicts the step time of the lane's requests with the new one
 beside them, stretched by what the lower lanes may add under the lane's target
 (`Scheduler.stretched`); there is room when each would still decode at the promised speed and
-the new prompt's prefill would fit its time to first token. The server asks before it admits
-a request (a full lane then queues, downgrades or refuses it, per the key's policy); the
-scheduler asks before it starts a queued one.
+the new prompt's prefill would fit its time to first token, and none of them is measured
+decoding below the promised speed lately (the model's refits follow the machine's load only
+every few dozen steps). The server asks before it admits a request (a full lane then queues,
+downgrades or refuses it, per the key's policy); the scheduler asks before it starts a queued
+one.
 
 The lane's promise is stated here too (`resolve`): "auto" values from the step-latency model
 once it is fitted, then fixed.
@@ -92,6 +94,8 @@ class LaneRoom:
         stated = self.stated.get(lane)
         if stated is None or count == 0 or not self.step_model.ready:
             return True
+        if any(_slower(r, stated.tokens_per_s) for r in beside):
+            return False  # measured: the machine is slower than the model knows yet
         context = sum(r.num_tokens for r in beside) + (count - len(beside)) * prompt_tokens
         speed = self.predicted_speed(lane, count + 1, context + prompt_tokens)
         prefill = self._prefill_seconds(lane, prompt_tokens, beside)
@@ -115,6 +119,11 @@ class LaneRoom:
             own = self.step_model.predict(len(beside) + 1, len(beside) + chunk, context + done)
             seconds += self.stretch(lane, own)
         return seconds
+
+
+def _slower(req: Request, tokens_per_s: float) -> bool:
+    recent = req.metrics.recent_tokens_per_s
+    return recent is not None and recent < tokens_per_s
 
 
 def _round(value: float, up: bool = False) -> float:

@@ -68,9 +68,7 @@ class OutputProcessor:
 
     def append_token(self, req: Request, token: int, logprob: dict | None) -> None:
         """Record one sampled token and finish the request if a stop condition holds."""
-        now = time.perf_counter()
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
+        req.metrics.token_at(time.perf_counter())
         req.token_ids.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)

@@ -18,6 +18,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+# Output tokens after the first before a request's recent speed is reported
+RECENT_TOKENS = 8
+
+
 @dataclass
 class RequestMetrics:
     """Engine-side timings in seconds (time.perf_counter clock) and derived speeds."""
@@ -28,6 +32,28 @@ class RequestMetrics:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    last_token: float | None = None
+    # the time between its output tokens lately: a moving average (a token's weight 1/8)
+    recent_gap: float | None = None
+    num_gaps: int = 0
+
+    def token_at(self, now: float) -> None:
+        """An output token was appended at `now` (tokens of one step share it)."""
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            gap = now - self.last_token
+            last = self.recent_gap
+            self.recent_gap = gap if last is None else 0.875 * last + 0.125 * gap
+            self.num_gaps += 1
+        self.last_token = now
+
+    @property
+    def recent_tokens_per_s(self) -> float | None:
+        """Its decode speed lately, once it has made `RECENT_TOKENS` tokens (None before)."""
+        if self.num_gaps < RECENT_TOKENS or not self.recent_gap:
+            return None
+        return 1.0 / self.recent_gap
 
     @property
     def queue_time(self) -> float | None:
