@@ -6,7 +6,8 @@ ends). First `--window` seconds without ultrafast traffic (the default lane's th
 alone), then ultrafast concurrency ramped through `--levels` (1, 2, 4, ... past the lane's
 capacity), `--window` seconds each: at every level half the ultrafast clients hold a key that
 downgrades when the lane is full and half one that is refused (429); each client sends its
-next request as soon as the last ends (after a 429, after `--backoff`).
+next request as soon as the last ends (after a 429, after its Retry-After, as the openai SDK
+waits, or `--backoff`).
 
 Reported per level: ultrafast requests served, downgraded and refused; the time from sending
 a request to its answer's first byte for those downgraded or refused (the decision, target
@@ -106,6 +107,7 @@ async def request(http, server, key: str, tier: str, max_tokens: int, stamps=Non
         out["answered"] = time.perf_counter()
         out["status"] = r.status_code
         out["served"] = r.headers.get("x-expresslane-served-tier")
+        out["retry_after"] = float(r.headers.get("retry-after", 0))
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
@@ -123,8 +125,8 @@ async def ultrafast_worker(http, server, key, args, results: list[dict], until: 
         got = await request(http, server, key, "ultrafast", args.ultrafast_tokens)
         got["key"] = key
         results.append(got)
-        if got["status"] == 429:
-            await asyncio.sleep(args.backoff)
+        if got["status"] == 429:  # as the openai SDK does: wait what Retry-After says
+            await asyncio.sleep(got["retry_after"] if args.backoff is None else args.backoff)
 
 
 def speed(stamps: list[float]) -> float | None:
@@ -294,7 +296,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--default-tokens", type=int, default=256)
     p.add_argument("--ultrafast-tokens", type=int, default=64)
-    p.add_argument("--backoff", type=float, default=0.1, help="seconds after a 429")
+    p.add_argument(
+        "--backoff", type=float, default=None, help="seconds after a 429 (default: Retry-After)"
+    )
     p.add_argument("--port", type=int, default=8790)
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="promise-")

@@ -89,3 +89,14 @@ def test_autoscaling_settings_go_to_ray_serve_and_are_checked():
 def test_a_stream_interval_below_one_is_refused():
     with pytest.raises(ClusterFileError, match=r"\[pools.std\] stream_interval must be at least 1"):
         parse_cluster({"pools": {"std": {"tiers": ["default"], "stream_interval": 0}}})
+
+
+def test_the_ingress_states_a_promise_given_in_numbers(llama_dir):
+    pytest.importorskip("ray")
+    from expresslane.fleet.remote_engine import FleetEngine
+
+    lanes = {"ultrafast": {"promise": {"tokens_per_s": 40, "ttft_s": 0.5}}}
+    stated = FleetEngine(parse_cluster({"pools": POOLS, "lanes": lanes}), {}, llama_dir)
+    assert stated.promises()["ultrafast"].floor_tokens_per_s == 20.0
+    auto = FleetEngine(parse_cluster({"pools": POOLS}), {}, llama_dir)
+    assert auto.promises() == {}  # each replica measures an "auto" one for itself
