@@ -1,7 +1,6 @@
 """`expresslane bench` (run a benchmark) and `expresslane bench compare A B`.
 
-The run's options live on `bench` itself and `compare` is an optional sub-command, so
-`expresslane bench --base-url URL ...` runs and `expresslane bench compare A B` compares.
+The run's options are `bench`'s own and `compare` an optional sub-command (`bench --base-url URL`).
 """
 
 from __future__ import annotations
@@ -321,7 +320,6 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from expresslane.bench.metrics import parse_slo
-    from expresslane.bench.promises import published
     from expresslane.bench.runner import run_benchmark
 
     if not args.base_url:
@@ -338,7 +336,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.requests is None and args.duration is None:
         args.requests = workload.default_requests()
     target = _target(args)
-    promises = published(target)
     results = asyncio.run(
         run_benchmark(
             target,
@@ -351,7 +348,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             show_progress=not args.quiet and sys.stderr.isatty(),
         )
     )
-    return _report(args, target, started_at, slo, results, promises)
+    return _report(args, target, started_at, slo, results)
 
 
 AGENT_TOOL_CHOICE = "required"  # the agent's default: `agent.py`
@@ -361,10 +358,11 @@ def _is_agent(args: argparse.Namespace) -> bool:
     return args.workload.partition(":")[0] == "agent"
 
 
-def _report(args, target: Target, started_at: datetime, slo, results, promises) -> int:
+def _report(args, target: Target, started_at: datetime, slo, results) -> int:
     from rich.console import Console
 
     from expresslane.bench.plots import write_plots
+    from expresslane.bench.promises import published
     from expresslane.bench.report import build_results, write_files
 
     meta = {
@@ -383,7 +381,7 @@ def _report(args, target: Target, started_at: datetime, slo, results, promises) 
         "slo": slo or None,
         "response_format": args.response_format,
         "tool_choice": args.tool_choice or (AGENT_TOOL_CHOICE if _is_agent(args) else None),
-        "promises": promises,
+        "promises": published(target),  # each tier's promise, as /v1/tiers publishes it
     }
     data = build_results(meta, results, slo)
     out = Path(args.out)
