@@ -141,10 +141,12 @@ def test_an_old_accounts_file_opens_with_its_keys_and_ledger(tmp_path):
     ledger = Ledger(db)
     assert found.name == "carol" and found.plan.tiers == ["default"]
     assert ledger.tokens_since("key_old", 0) == 10
-    assert ledger.rows()[0]["request_id"] == "req_old"
+    old_row = ledger.rows()[0]
+    assert old_row["request_id"] == "req_old"
+    assert (old_row["promise_kept"], old_row["refund"]) == (None, 0)  # columns added later
     db.close()
     got = versions(path)
-    assert [v for v, _ in got["keys"]] == [1] and [v for v, _ in got["ledger"]] == [1, 2]
+    assert [v for v, _ in got["keys"]] == [1] and [v for v, _ in got["ledger"]] == [1, 2, 3]
 
 
 def test_an_old_store_file_gains_its_origin_columns_and_a_version(tmp_path):

@@ -60,7 +60,9 @@ def test_ledger_record_record_once_and_usage(database):
     assert ledger.record_once(row("r3", status="interrupted", queue_s=None, ttft_s=None))
     assert not ledger.record_once(row("r3", status="interrupted"))
     assert not ledger.record_once(row("r1", status="interrupted"))  # already billed
-    ledger.record(row("r4", key_id="key_b", output_tokens=7))
+    judged = {"promised_tokens_per_s": 50.0, "promised_ttft_s": 0.5, "promise_kept": 0}
+    missed = row("r4", key_id="key_b", output_tokens=7, refund=1.25, **judged)
+    ledger.record(missed)
     other = Ledger(connect(database))
     (a, b) = other.usage()
     assert a == {
@@ -75,8 +77,15 @@ def test_ledger_record_record_once_and_usage(database):
         "cost": pytest.approx(0.75),
         "mean_ttft_s": pytest.approx(0.1),
         "decode_tokens_per_s": pytest.approx(20 / 1.5),
+        "promise_judged": 0,
+        "promise_kept": 0,
+        "refund": 0.0,
     }
     assert (b["key_id"], b["requests"], b["output_tokens"]) == ("key_b", 1, 7)
+    assert (b["promise_judged"], b["promise_kept"], b["refund"]) == (1, 0, 1.25)
+    (window,) = other.attainment(300.0)
+    assert (window["key_id"], window["judged"], window["kept"]) == ("key_b", 1, 0)
+    assert window["promised_tokens_per_s"] == 50.0 and window["refund"] == 1.25
     assert other.usage(since=2**40) == []
     assert other.tokens_since("key_a", 0) == 60 and other.tokens_since("nobody", 0) == 0
     rows = other.rows("r3")
