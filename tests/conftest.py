@@ -80,6 +80,30 @@ GEMMA3_CONFIGS = {
         },
     ),
 }
+# gpt-oss: sliding-window (8) and full layers alternating, 4 experts of 64 (2 routed), YaRN
+GPT_OSS_CONFIGS = {
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 64,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -115,7 +139,8 @@ def _train_tokenizer(out: Path) -> None:
 def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     import transformers
 
-    cfg_cls, model_cls, extra = {**ARCH_CONFIGS, **MOE_CONFIGS, **GEMMA3_CONFIGS}[arch]
+    configs = {**ARCH_CONFIGS, **MOE_CONFIGS, **GEMMA3_CONFIGS, **GPT_OSS_CONFIGS}
+    cfg_cls, model_cls, extra = configs[arch]
     torch.manual_seed(0)
     settings = dict(
         vocab_size=VOCAB,

@@ -151,7 +151,7 @@ class PagedAttention(torch.nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if n_dec:
             out[:n_dec] = self._decode(q[:n_dec], meta)
-        kernels = None if self.window else native_prompt_attention(q, self.kv.native())
+        kernels = self._prompt_kernels(q)
         for chunk in meta.prefills:
             s, e = chunk.start, chunk.start + chunk.length
             if kernels is not None:
@@ -160,6 +160,10 @@ class PagedAttention(torch.nn.Module):
             else:
                 out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], chunk)
         return out
+
+    def _prompt_kernels(self, q: torch.Tensor):
+        """The C++ kernels prompt rows take, or None: PyTorch (`_prefill`)."""
+        return None if self.window else native_prompt_attention(q, self.kv.native())
 
     def _prefill_native(self, kernels, q, slots: torch.Tensor, chunk: PrefillChunk):
         """A chunk's prompt rows in the tiled kernel, its other rows (generated tokens

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expresslane.errors import ModelLoadError
+from expresslane.models import gpt_oss
 from expresslane.models.moe import MoEConfig
 from expresslane.models.rope import parse_rope_scaling
 from expresslane.models.rope import rope_inv_freq as rope_inv_freq  # where it was defined before
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
+    gpt_oss.ARCHITECTURE,
 )
 
 
@@ -46,7 +48,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks
-    # Gemma 3's departures from the Llama block (`_gemma3`):
+    # Gemma 3's departures from the Llama block (`_gemma3`; gpt-oss's windows too):
     layer_windows: list[int | None] | None = None  # per layer: its sliding window, or None
     local_rope_theta: float | None = None  # the RoPE base of the sliding-window layers
     norm_offset: float = 0.0  # norms scale by (offset + weight)
@@ -83,7 +85,7 @@ class ModelConfig:
         mistral = arch in ("MistralForCausalLM", "MixtralForCausalLM")
         use_sliding = raw.get("use_sliding_window", mistral)
         max_position_embeddings = raw.get("max_position_embeddings", 2048)
-        gemma3 = _gemma3(raw) if arch == "Gemma3ForCausalLM" else {}
+        family = _FAMILY_SETTINGS[arch](raw) if arch in _FAMILY_SETTINGS else {}
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -94,20 +96,20 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=gemma3.pop("rope_theta", None) or _rope_theta(raw),
+            rope_theta=family.pop("rope_theta", None) or _rope_theta(raw),
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope_scaling=parse_rope_scaling(
-                gemma3.pop("global_rope", raw), max_position_embeddings
+                family.pop("global_rope", raw), max_position_embeddings
             ),
             sliding_window=raw.get("sliding_window") if use_sliding else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
-            moe=MoEConfig.from_dict(raw, arch),
-            **gemma3,
+            moe=family.pop("moe", None) or MoEConfig.from_dict(raw, arch),
+            **family,
         )
 
 
@@ -148,3 +150,6 @@ def _gemma3(raw: dict) -> dict:
         "activation": "gelu_tanh",
         "query_scale": (raw.get("query_pre_attn_scalar") or head_dim) ** -0.5 * head_dim**0.5,
     }
+
+
+_FAMILY_SETTINGS = {"Gemma3ForCausalLM": _gemma3, gpt_oss.ARCHITECTURE: gpt_oss.settings}

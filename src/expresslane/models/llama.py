@@ -21,8 +21,8 @@ from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
-from expresslane.models.moe import SparseMoE
 from expresslane.models.rope import plain_inv_freq, rope_frequencies
+from expresslane.models.sink_attention import SinkAttention
 from expresslane.quant.linear import Fp4Linear
 
 
@@ -32,7 +32,7 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"))
-        self.o = make_linear(w["o"])
+        self.o = make_linear(w["o"], w.get("o_bias"))
         self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
         # Gemma's sandwich: norms on the attention's and the MLP's outputs too
         self.post_attn_norm = self.post_ffn_norm = None
@@ -42,13 +42,15 @@ class DecoderLayer(nn.Module):
         self.act = F.silu if cfg.activation == "silu" else partial(F.gelu, approximate="tanh")
         self.moe = None  # a mixture of experts in place of gate_up/down (models/moe.py)
         if "router" in w:
-            self.moe = SparseMoE(cfg.moe, w["router"], w)
+            self.moe = cfg.moe.make_block(w)
         else:
             self.gate_up = make_linear(w["gate_up"])
             self.down = make_linear(w["down"])
         self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+        sinks = w.get("sinks")  # gpt-oss's attention sinks
+        self.attn = PagedAttention(*heads) if sinks is None else SinkAttention(*heads, sinks)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.ffn = cfg.intermediate_size

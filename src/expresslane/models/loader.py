@@ -11,12 +11,14 @@ import torch
 
 from expresslane.checkpoint import read_checkpoint
 from expresslane.errors import ModelLoadError
+from expresslane.models import gpt_oss
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
 from expresslane.models.moe import EXPERT_NAMES, expert_weights
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
+from expresslane.quant.mxfp4_experts import is_mxfp4_experts, read_mxfp4_experts
 
 _RENAMES = {
     "input_layernorm.weight": "input_norm",
@@ -25,6 +27,8 @@ _RENAMES = {
     "mlp.down_proj.weight": "down",
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
+    "self_attn.o_proj.bias": "o_bias",  # gpt-oss
+    "self_attn.sinks": "sinks",  # gpt-oss
 }
 # Gemma's norms: one after attention, one before and one after the MLP (`sandwich_norms`)
 _SANDWICH_RENAMES = {
@@ -77,7 +81,7 @@ def fuse_weights(
                 out[f"layers.{i}.{dst}"] = t
         sparse = cfg.moe is not None and i not in cfg.moe.dense_layers
         if sparse:
-            out.update(_experts(cfg, p, take, linear_dtype, i))
+            out.update(_experts(cfg, p, take, raw.keys(), linear_dtype, i))
         for dst, parts in _FUSED.items():
             if (dst == "qkv_bias" or sparse) and p + parts[0] not in raw:
                 continue
@@ -86,12 +90,16 @@ def fuse_weights(
     return out
 
 
-def _experts(cfg: ModelConfig, p: str, take, linear_dtype, i: int) -> dict[str, torch.Tensor]:
+def _experts(cfg: ModelConfig, p: str, take, names, linear_dtype, i: int) -> dict:
     """Layer i's router (in the compute dtype) and experts (linears: `linear_dtype`)."""
-    router, prefix, names = EXPERT_NAMES[cfg.architecture]
+    n = cfg.moe.num_experts
+    if cfg.architecture == gpt_oss.ARCHITECTURE:
+        tensors = gpt_oss.layer_weights(take, names, p, n, linear_dtype)
+        return {f"layers.{i}.{k}": v for k, v in tensors.items()}
+    router, prefix, expert_names = EXPERT_NAMES[cfg.architecture]
     tensors = {"router": take(p + router)}
     experts = partial(take, to=linear_dtype)
-    tensors.update(expert_weights(experts, p + prefix, names, cfg.moe.num_experts))
+    tensors.update(expert_weights(experts, p + prefix, expert_names, n))
     return {f"layers.{i}.{k}": v for k, v in tensors.items()}
 
 
@@ -138,13 +146,16 @@ def load_model(
     cfg = ModelConfig.from_dir(model_dir)
     raw = read_checkpoint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    quant_config = own_quant_config(config, raw)
-    if cfg.moe is not None and (quantization or quant_config):
+    mxfp4_experts = is_mxfp4_experts(config)  # gpt-oss as published: experts kept MXFP4
+    if mxfp4_experts:
+        read_mxfp4_experts(raw)
+    quant_config = None if mxfp4_experts else own_quant_config(config, raw)
+    if cfg.moe is not None and (quant_config or (quantization and not mxfp4_experts)):
         raise ModelLoadError(
-            "FP4 weights are not available for mixture-of-experts models yet; serve the "
-            "checkpoint's own bf16/float32 weights"
+            "FP4 weights for mixture-of-experts models are read only as gpt-oss publishes "
+            "them (MXFP4 experts); serve this checkpoint's own bf16/float32 weights"
         )
-    if quantization and not quant_config:
+    if quantization and not quant_config and not mxfp4_experts:
         raw, _ = quantize_tensors(raw, config, quantization)  # in memory, at load
         cfg.tie_word_embeddings = config.get("tie_word_embeddings", cfg.tie_word_embeddings)
         quant_config = config["quantization_config"]

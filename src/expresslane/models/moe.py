@@ -58,6 +58,10 @@ class MoEConfig:
             dense_layers=frozenset(dense),
         )
 
+    def make_block(self, w: dict[str, torch.Tensor]) -> nn.Module:
+        """One layer's block, from its weights (`router`, `experts.{e}.gate_up`, ...)."""
+        return SparseMoE(self, w["router"], w)
+
 
 def expert_weights(take, prefix: str, names: tuple[str, str, str], n: int) -> dict:
     """One layer's experts, `experts.{e}.gate_up` (gate and up fused) and `experts.{e}.down`.
@@ -82,8 +86,8 @@ class SparseMoE(nn.Module):
         self.ffn = cfg.intermediate_size
         self.router = nn.Parameter(router, requires_grad=False)  # [E, H]
         n = cfg.num_experts
-        self.gate_up = nn.ModuleList(make_linear(w[f"experts.{e}.gate_up"]) for e in range(n))
-        self.down = nn.ModuleList(make_linear(w[f"experts.{e}.down"]) for e in range(n))
+        self.gate_up = nn.ModuleList(_linear(w, f"experts.{e}.gate_up") for e in range(n))
+        self.down = nn.ModuleList(_linear(w, f"experts.{e}.down") for e in range(n))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k])."""
@@ -112,3 +116,7 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, self.expert(e, x[rows]) * scale[start : start + n])
                 start += n
         return out
+
+
+def _linear(w: dict[str, torch.Tensor], name: str) -> nn.Module:
+    return make_linear(w[name], w.get(f"{name}_bias"))  # biases: gpt-oss's experts

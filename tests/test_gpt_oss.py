@@ -1,0 +1,143 @@
+"""gpt-oss (models/gpt_oss.py) against transformers on a random checkpoint: attention sinks,
+sliding-window layers alternating with full ones, YaRN, biases on attention and experts, the
+router's bias and softmax over the top k, interleaved gate/up and the clamped SwiGLU. Then the
+same checkpoint with its experts in MXFP4 as OpenAI publishes them (`*_blocks`, `*_scales`),
+kept 4-bit in the FP4 linears, against transformers loading those bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from expresslane import LLM, SamplingParams
+from expresslane.kernels import cpu_kernels
+from expresslane.kernels.plan import LinearPath
+from expresslane.models import load_model, sink_attention
+from expresslane.models.sink_attention import SinkAttention
+from expresslane.quant.linear import Fp4Linear
+from expresslane.quant.mxfp4_experts import quantize_checkpoint
+
+from .conftest import make_checkpoint, random_prompts
+from .test_model_parity import hf_greedy, hf_model, prefill_logits
+
+transformers = pytest.importorskip("transformers")
+GREEDY = dict(temperature=0, ignore_eos=True)
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    """The random checkpoint with its norms, sinks and biases drawn too (transformers starts
+    biases at 0 and sinks near it); the experts' gate/up biases wide enough that the SwiGLU's
+    clamp at 7 cuts some."""
+    path = make_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "sinks" in name or name.endswith("bias"):
+                scale = 4.0 if name.endswith("gate_up_proj_bias") else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(gpt_oss_dir, tmp_path_factory):
+    """The same checkpoint with every expert weight in MXFP4, in the published layout."""
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    shutil.copytree(gpt_oss_dir, out, dirs_exist_ok=True)
+    config = json.loads((gpt_oss_dir / "config.json").read_text())
+    tensors = quantize_checkpoint(load_file(gpt_oss_dir / "model.safetensors"), config)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def hf_mxfp4(path):
+    """transformers on the MXFP4 checkpoint, its experts dequantized on the CPU (its own
+    `convert_moe_packed_tensors`, without the hub's Triton kernels)."""
+    quant = transformers.Mxfp4Config(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=quant
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Mixed lengths, most past the window of 8; the third shares the first's first 24."""
+    out = random_prompts(6, 3, 50, seed=8)
+    out[2] = out[0][:24] + out[2]
+    return out
+
+
+def test_prefill_logits_match_transformers(gpt_oss_dir, monkeypatch):
+    monkeypatch.setattr(sink_attention, "QUERY_TILE", 16)  # a 40-token prompt in three tiles
+    model, cfg, ours, ref = prefill_logits(gpt_oss_dir, 40, seed=4)
+    assert cfg.layer_windows == [8, None, 8]
+    assert cfg.rope_scaling["rope_type"] == "yarn"
+    assert all(isinstance(layer.attn, SinkAttention) for layer in model.layers)
+    assert model.layers[0].o.bias is not None and model.layers[0].qkv.bias is not None
+    assert model.layer_stack is None and not model.plan.tiled_prompts  # no sinks in C++
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_batched_tokens": 16}],  # chunked: later chunks read the cache in a window
+    ids=["whole", "chunked"],
+)
+def test_greedy_matches_transformers(gpt_oss_dir, prompts, options):
+    hf = hf_model(gpt_oss_dir)
+    llm = LLM(str(gpt_oss_dir), dtype="float32", **options)
+    params = SamplingParams(max_tokens=NEW, **GREEDY)
+    refs = [hf_greedy(hf, p, NEW) for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs  # prefix cache hits
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_ngram_speculation_keeps_transformers_tokens(gpt_oss_dir):
+    base = random_prompts(4, 10, 30, seed=9)
+    prompts = [p + p[:12] for p in base]  # repeats for the n-gram lookup to find
+    hf = hf_model(gpt_oss_dir)
+    spec = LLM(
+        str(gpt_oss_dir),
+        dtype="float32",
+        speculative={"method": "ngram", "num_tokens": 4, "max_batch": None},
+    )
+    outputs = spec.generate(prompts, SamplingParams(max_tokens=32, **GREEDY))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 32) for p in prompts]
+
+
+def test_mxfp4_experts_are_read_as_published(gpt_oss_dir, mxfp4_dir):
+    """The blocks and scales stay 4-bit, one FP4 linear per expert, and expand to exactly the
+    weights transformers dequantizes from them."""
+    raw = load_file(mxfp4_dir / "model.safetensors")
+    blocks = raw["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    assert blocks.dtype == torch.uint8 and blocks.shape == (4, 128, 2, 16)  # [E, 2I, H/32, 16]
+    assert raw["model.layers.0.mlp.experts.down_proj_scales"].shape == (4, 64, 2)
+    model, _ = load_model(mxfp4_dir, torch.float32, torch.device("cpu"), 512)
+    hf = hf_mxfp4(mxfp4_dir)
+    for layer, hf_layer in zip(model.layers, hf.model.layers, strict=True):
+        experts = hf_layer.mlp.experts
+        for e in range(4):
+            gate_up, down = layer.moe.gate_up[e], layer.moe.down[e]
+            assert isinstance(gate_up, Fp4Linear) and isinstance(down, Fp4Linear)
+            if cpu_kernels() is not None:
+                assert gate_up.path is LinearPath.FP4_W4A8
+            torch.testing.assert_close(gate_up.weight_fp4.dequantize(), experts.gate_up_proj[e].T)
+            torch.testing.assert_close(down.weight_fp4.dequantize(), experts.down_proj[e].T)
+            torch.testing.assert_close(gate_up.bias, experts.gate_up_proj_bias[e])
+
+
+def test_mxfp4_greedy_matches_transformers(mxfp4_dir, prompts):
+    hf = hf_mxfp4(mxfp4_dir)
+    llm = LLM(str(mxfp4_dir), dtype="float32")
+    params = SamplingParams(max_tokens=NEW, **GREEDY)
+    refs = [hf_greedy(hf, p, NEW) for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
