@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from expresslane import LLM, SamplingParams
 from expresslane.kernels import cpu_kernels
 from expresslane.kernels.plan import LinearPath
-from expresslane.models import load_model, sink_attention
+from expresslane.models import ModelConfig, load_model, sink_attention
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
+from expresslane.models.rope import rope_frequencies
 from expresslane.models.sink_attention import SinkAttention
 from expresslane.quant.linear import Fp4Linear
 from expresslane.quant.mxfp4_experts import quantize_checkpoint
@@ -83,6 +84,75 @@ def prompts():
     out = random_prompts(6, 3, 50, seed=8)
     out[2] = out[0][:24] + out[2]
     return out
+
+
+# gpt-oss-20b's config.json as published (huggingface.co/openai/gpt-oss-20b)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+
+def test_the_published_config_reads_as_transformers_reads_it():
+    """gpt-oss-20b's own config.json (transformers 4.55's names: `rope_scaling`, `rope_theta`
+    and `experts_per_token` at the top level): windows of 128 on every other layer, 4 of 32
+    experts, its clamp, and YaRN's frequencies and attention factor as transformers has them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = ModelConfig.from_dict(GPT_OSS_20B)
+    assert cfg.layer_windows == [128, None] * 12 and cfg.sliding_window is None
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.swiglu_limit) == (32, 4, 7.0)
+    assert cfg.attention_bias and cfg.rope_theta == 150000
+    inv_freq, factor = rope_frequencies(cfg)
+    hf = transformers.GptOssConfig(**GPT_OSS_20B)
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    torch.testing.assert_close(inv_freq, hf_inv_freq)
+    assert factor == pytest.approx(hf_factor)
 
 
 def test_prefill_logits_match_transformers(gpt_oss_dir, monkeypatch):
