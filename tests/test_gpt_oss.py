@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from expresslane import LLM, SamplingParams
+from expresslane.errors import ModelLoadError
 from expresslane.kernels import cpu_kernels
 from expresslane.kernels.plan import LinearPath
 from expresslane.models import ModelConfig, load_model, sink_attention
@@ -237,3 +238,17 @@ def test_mxfp4_greedy_matches_transformers(mxfp4_dir, prompts):
     params = SamplingParams(max_tokens=NEW, **GREEDY)
     refs = [hf_greedy(hf, p, NEW) for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == refs
+
+
+def test_mxfp4_at_load_equals_the_published_layout(gpt_oss_dir, mxfp4_dir, prompts):
+    """`quantization="mxfp4"` on the bf16/float32 checkpoint quantizes its experts at load as
+    the MXFP4 checkpoint stores them; NVFP4 experts are refused."""
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    at_load = LLM(str(gpt_oss_dir), dtype="float32", quantization="mxfp4")
+    assert isinstance(at_load.engine.model.layers[0].moe.down[0], Fp4Linear)
+    published = LLM(str(mxfp4_dir), dtype="float32")
+    assert [o.token_ids for o in at_load.generate(prompts, params)] == [
+        o.token_ids for o in published.generate(prompts, params)
+    ]
+    with pytest.raises(ModelLoadError, match="MXFP4 experts"):
+        LLM(str(gpt_oss_dir), dtype="float32", quantization="nvfp4")

@@ -18,7 +18,11 @@ from expresslane.models.moe import EXPERT_NAMES, expert_weights
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
-from expresslane.quant.mxfp4_experts import is_mxfp4_experts, read_mxfp4_experts
+from expresslane.quant.mxfp4_experts import (
+    is_mxfp4_experts,
+    quantize_checkpoint,
+    read_mxfp4_experts,
+)
 
 _RENAMES = {
     "input_layernorm.weight": "input_norm",
@@ -132,6 +136,19 @@ def own_quant_config(config: dict, raw: dict[str, torch.Tensor]) -> dict | None:
     )
 
 
+def _mxfp4_experts(cfg: ModelConfig, raw: dict, config: dict, quantization: str | None) -> bool:
+    """Whether the experts are gpt-oss's in MXFP4, read into `raw` as FP4 weights: as OpenAI
+    publishes them, or a bf16/float32 gpt-oss's quantized at load (`quantization="mxfp4"`)."""
+    if not is_mxfp4_experts(config):
+        if cfg.architecture != gpt_oss.ARCHITECTURE or quantization != "mxfp4":
+            return False
+        quantized = quantize_checkpoint(raw, config)
+        raw.clear()
+        raw.update(quantized)
+    read_mxfp4_experts(raw)
+    return True
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -146,14 +163,13 @@ def load_model(
     cfg = ModelConfig.from_dir(model_dir)
     raw = read_checkpoint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    mxfp4_experts = is_mxfp4_experts(config)  # gpt-oss as published: experts kept MXFP4
-    if mxfp4_experts:
-        read_mxfp4_experts(raw)
+    mxfp4_experts = _mxfp4_experts(cfg, raw, config, quantization)
     quant_config = None if mxfp4_experts else own_quant_config(config, raw)
     if cfg.moe is not None and (quant_config or (quantization and not mxfp4_experts)):
         raise ModelLoadError(
-            "FP4 weights for mixture-of-experts models are read only as gpt-oss publishes "
-            "them (MXFP4 experts); serve this checkpoint's own bf16/float32 weights"
+            "FP4 weights for mixture-of-experts models are gpt-oss's MXFP4 experts only (as "
+            "OpenAI publishes them, or quantization mxfp4 at load); serve this checkpoint's "
+            "own bf16/float32 weights"
         )
     if quantization and not quant_config and not mxfp4_experts:
         raw, _ = quantize_tensors(raw, config, quantization)  # in memory, at load
