@@ -10,7 +10,9 @@ bf16 in both. Prompt 64 tokens, 64 new, first token excluded. Besides the decode
 time a decode step spends in the expert blocks (router, experts, their sum), timed around
 each block's forward at one row.
 
-    python benchmarks/gpt_oss_mxfp4.py [--rounds 3] [--device auto]
+    python benchmarks/gpt_oss_mxfp4.py [--rounds 3] [--device auto] [--threads N]
+
+`--threads 1` keeps threads from waiting on each other where other work shares the cores.
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: its own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bf16 = bf16_checkpoint()
     options = dict(device=args.device, max_model_len=256)
     llms = {"bf16": LLM(str(bf16), **options), "mxfp4": LLM(str(mxfp4_checkpoint(bf16)), **options)}

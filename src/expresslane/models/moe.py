@@ -103,6 +103,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if x.shape[0] == 1:
+            return self._one_token(x, weights[0], experts[0])
+        return self._grouped(x, weights, experts)
+
+    def _grouped(self, x: torch.Tensor, weights, experts) -> torch.Tensor:
         flat = experts.view(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
@@ -115,6 +120,15 @@ class SparseMoE(nn.Module):
                 rows = tokens[start : start + n]
                 out.index_add_(0, rows, self.expert(e, x[rows]) * scale[start : start + n])
                 start += n
+        return out
+
+    def _one_token(self, x: torch.Tensor, weights, experts) -> torch.Tensor:
+        """A batch-1 step's token without the sort and the scatter: its experts summed in
+        the order `_grouped` sums them (by expert), to the same floats."""
+        out = None
+        for e, w in sorted(zip(experts.tolist(), weights.tolist(), strict=True)):
+            y = self.expert(e, x) * w
+            out = y if out is None else out + y
         return out
 
 
