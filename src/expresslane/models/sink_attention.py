@@ -6,7 +6,8 @@ SDPA and the C++ attention kernels have no such term, so these layers attend in 
 grouped matmuls (one per KV head and sequence) and a float32 softmax over the scores and the
 sink, for decodes (the padded batch the plain decode path gathers) and for prompt chunks (a
 batch of one whose query rows are the chunk's tokens, in tiles of `QUERY_TILE` rows so that
-the scores of a long prompt stay bounded).
+the scores of a long prompt stay bounded). A sliding-window layer reads only the positions
+its queries' windows cover, not the whole context.
 """
 
 from __future__ import annotations
@@ -38,25 +39,29 @@ class SinkAttention(PagedAttention):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
-        kv = self.kv.read(meta.decode_slots).view(2, self.num_kv_heads, B, L, self.head_dim)
-        mask = meta.decode_mask(q.dtype, self.window)  # [B, Q, 1, L]
+        if self.window is None:
+            slots, mask = meta.decode_slots, meta.decode_mask(q.dtype)  # mask [B, Q, 1, L]
+        else:
+            slots, mask = _window_decode(meta, self.window, q.dtype)
+            L = mask.shape[-1]
+        kv = self.kv.read(slots).view(2, self.num_kv_heads, B, L, self.head_dim)
         return self._attend(q.view(B, Q, self.num_heads, self.head_dim), kv[0], kv[1], mask)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
         n, ctx = chunk.length, chunk.context_len
-        if chunk.slots is None:  # the chunk is the whole context
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        else:
-            keys, values = self.kv.read(chunk.slots)
-        q_pos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-        kv_pos = torch.arange(ctx, device=q.device)[None, :]
-        hidden = kv_pos > q_pos
+        first = 0  # keys before it are outside every query's window
         if self.window is not None:
-            hidden |= kv_pos <= q_pos - self.window
-        mask = torch.zeros(n, ctx, dtype=q.dtype, device=q.device).masked_fill_(hidden, -torch.inf)
+            first = max(0, ctx - n - self.window + 1)
+        if chunk.slots is None:  # the chunk is the whole context
+            keys, values = k[first:].transpose(0, 1), v[first:].transpose(0, 1)
+        else:
+            keys, values = self.kv.read(chunk.slots[first:])
+        q_pos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
+        kv_pos = torch.arange(first, ctx, device=q.device)[None, :]
+        mask = _additive(_hidden(kv_pos, q_pos, self.window), q.dtype)
         H, D = self.num_heads, self.head_dim
         return self._attend(
-            q.view(1, n, H, D), keys.unsqueeze(1), values.unsqueeze(1), mask.view(1, n, 1, ctx)
+            q.view(1, n, H, D), keys.unsqueeze(1), values.unsqueeze(1), mask[None, :, None]
         )
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
@@ -80,3 +85,36 @@ class SinkAttention(PagedAttention):
         probs = torch.cat([scores, sinks], dim=-1).softmax(-1, dtype=torch.float32)[..., :L]
         out = torch.matmul(probs.to(q.dtype).reshape(Hkv, B, Q * G, L), values)
         return out.view(Hkv, B, Q, G, D).permute(1, 2, 0, 3, 4).reshape(B, Q, H * D)
+
+
+def _hidden(kv_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query does not see: later ones, and those past its window."""
+    hidden = kv_pos > q_pos
+    if window is not None:
+        hidden |= kv_pos <= q_pos - window
+    return hidden
+
+
+def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+        hidden, -torch.inf
+    )
+
+
+def _window_decode(meta: AttentionMetadata, window: int, dtype: torch.dtype):
+    """(slots [B * S], additive mask [B, Q, 1, S]) of the S = window + Q - 1 positions the
+    step's queries of a sliding-window layer can see (fewer where the padded context is
+    shorter), so that such a layer reads its window, not the whole context. Built once per
+    step and window, beside the step's decode masks."""
+    key = ("window_span", window)
+    if key not in meta._decode_masks:
+        B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
+        starts = meta.decode_starts
+        span = min(window + Q - 1, L)
+        first = (starts - window + 1).clamp(min=0).clamp(max=L - span)
+        pos = first[:, None] + torch.arange(span, device=starts.device)  # [B, S]
+        slots = meta.decode_slots.view(B, L).gather(1, pos).reshape(-1)
+        q_pos = starts[:, None] + torch.arange(Q, device=starts.device)  # [B, Q]
+        hidden = _hidden(pos[:, None, :], q_pos[..., None], window)
+        meta._decode_masks[key] = (slots, _additive(hidden, dtype).unsqueeze(2))
+    return meta._decode_masks[key]
