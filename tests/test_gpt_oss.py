@@ -267,3 +267,17 @@ def test_a_token_alone_sums_its_experts_as_a_batch_does(mxfp4_dir):
         for i, row in enumerate(x):
             alone = moe._one_token(row[None], weights[i], experts[i])
             assert torch.equal(alone, batch[i : i + 1])
+
+
+def test_an_fp8_kv_cache_with_speculation_and_preemption(gpt_oss_dir):
+    """The sink attention reads FP8 blocks as the stores write them: n-gram guesses rolled
+    back and requests preempted on a pool too small for all keep the plain run's tokens."""
+    prompts = [p + p for p in random_prompts(6, 10, 40, seed=12)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    opts = dict(dtype="float32", kv_cache_dtype="fp8")
+    plain = LLM(str(gpt_oss_dir), **opts).generate(prompts, params)
+    llm = LLM(str(gpt_oss_dir), speculative={"num_tokens": 4}, num_kv_blocks=20, **opts)
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert any(o.metrics["num_preemptions"] for o in spec)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
