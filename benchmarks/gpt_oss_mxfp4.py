@@ -18,18 +18,15 @@ each block's forward at one row.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import time
 
 import torch
 from common import CACHE, machine, save_results
-from safetensors.torch import load_file, save_file
 
 from expresslane import LLM, SamplingParams
+from expresslane.checkpoint import quantize_checkpoint
 from expresslane.models.gpt_oss import GptOssMoE
-from expresslane.quant.mxfp4_experts import quantize_checkpoint
 
 SHAPE = dict(
     vocab_size=32000,
@@ -59,13 +56,10 @@ def bf16_checkpoint():
 
 
 def mxfp4_checkpoint(src):
+    """What `expresslane quantize --format mxfp4` writes for gpt-oss: OpenAI's layout."""
     out = CACHE / "gpt-oss-16x1024-mxfp4"
     if not (out / "model.safetensors").is_file():
-        shutil.copytree(src, out, dirs_exist_ok=True)
-        config = json.loads((src / "config.json").read_text())
-        tensors = quantize_checkpoint(load_file(src / "model.safetensors"), config)
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(config))
+        quantize_checkpoint(src, out, "mxfp4")
     return out
 
 

@@ -7,13 +7,13 @@ kept 4-bit in the FP4 linears, against transformers loading those bytes."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from expresslane import LLM, SamplingParams
+from expresslane.cli import main
 from expresslane.errors import ModelLoadError
 from expresslane.kernels import cpu_kernels
 from expresslane.kernels.plan import LinearPath
@@ -22,7 +22,6 @@ from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.rope import rope_frequencies
 from expresslane.models.sink_attention import SinkAttention
 from expresslane.quant.linear import Fp4Linear
-from expresslane.quant.mxfp4_experts import quantize_checkpoint
 
 from .conftest import make_checkpoint, random_prompts
 from .test_model_parity import hf_greedy, hf_model, prefill_logits
@@ -51,13 +50,14 @@ def gpt_oss_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mxfp4_dir(gpt_oss_dir, tmp_path_factory):
-    """The same checkpoint with every expert weight in MXFP4, in the published layout."""
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    shutil.copytree(gpt_oss_dir, out, dirs_exist_ok=True)
-    config = json.loads((gpt_oss_dir / "config.json").read_text())
-    tensors = quantize_checkpoint(load_file(gpt_oss_dir / "model.safetensors"), config)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config))
+    """The same checkpoint with every expert weight in MXFP4, in the published layout, as
+    `expresslane quantize` writes it (which has no NVFP4 for gpt-oss)."""
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "q"
+    assert main(["quantize", "--format", "mxfp4", str(gpt_oss_dir), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    with pytest.raises(SystemExit, match="MXFP4 only"):
+        main(["quantize", "--format", "nvfp4", str(gpt_oss_dir), str(out.parent / "nv")])
     return out
 
 

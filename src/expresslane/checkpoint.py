@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from expresslane.errors import ModelLoadError
 from expresslane.quant.checkpoint import DEFAULT_SKIP, quantize_tensors
+from expresslane.quant.mxfp4_experts import GPT_OSS, quantize_gpt_oss
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -53,9 +54,13 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def quantize_checkpoint(src: Path, dst: Path, fmt_name: str, skip=DEFAULT_SKIP) -> dict:
     """`expresslane quantize`: write an FP4 copy of the checkpoint at `src` to `dst`
-    (`quant.checkpoint.quantize_tensors` over its tensors, its other files copied)."""
+    (`quant.checkpoint.quantize_tensors` over its tensors, or for gpt-oss its experts in
+    OpenAI's MXFP4 layout, `quant.mxfp4_experts`; its other files copied)."""
     config = json.loads((src / "config.json").read_text())
-    out, summary = quantize_tensors(read_checkpoint(src), config, fmt_name, tuple(skip))
+    if GPT_OSS in (config.get("architectures") or []):  # experts only, in OpenAI's layout
+        out, summary = quantize_gpt_oss(read_checkpoint(src), config, fmt_name)
+    else:
+        out, summary = quantize_tensors(read_checkpoint(src), config, fmt_name, tuple(skip))
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

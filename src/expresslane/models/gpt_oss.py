@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from expresslane.models.moe import MoEConfig, SparseMoE
+from expresslane.quant.mxfp4_experts import GPT_OSS
 
-ARCHITECTURE = "GptOssForCausalLM"
+ARCHITECTURE = GPT_OSS
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from expresslane.errors import ModelLoadError
 from expresslane.quant.formats import MXFP4, quantize
 from expresslane.quant.linear import Fp4Weight
 
 QUANT_METHOD = "mxfp4"
+GPT_OSS = "GptOssForCausalLM"  # the architecture whose experts this layout stores
 
 
 def is_mxfp4_experts(config: dict) -> bool:
@@ -64,3 +66,23 @@ def quantize_checkpoint(raw: dict[str, torch.Tensor], config: dict) -> dict[str,
         ],
     }
     return out
+
+
+def quantize_gpt_oss(raw: dict[str, torch.Tensor], config: dict, fmt_name: str):
+    """`expresslane quantize` on a gpt-oss checkpoint: its experts in MXFP4 as published, the
+    rest as it is. Returns the tensors to save and the summary `quantize_tensors` gives."""
+    if fmt_name != MXFP4.name:
+        raise ModelLoadError(
+            f"gpt-oss's experts are quantized to MXFP4 only, as OpenAI publishes them; "
+            f"--format {fmt_name} is not available for it"
+        )
+    out = quantize_checkpoint(raw, config)
+    summary = {
+        "format": MXFP4.name,
+        "quantized_tensors": sum(name.endswith("_blocks") for name in out),
+        "bytes_bf16": sum(
+            t.numel() * 2 if t.is_floating_point() else t.nbytes for t in raw.values()
+        ),
+        "bytes_quantized": sum(t.nbytes for t in out.values()),
+    }
+    return out, summary
