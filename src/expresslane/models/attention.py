@@ -44,8 +44,9 @@ class AttentionMetadata:
     decode_starts: torch.Tensor | None = None  # [decode_batch] cached tokens before this step
     decode_prompt_ends: torch.Tensor | None = None  # [decode_batch] prompt lengths (None: 0)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # the decode masks built this step, by sliding window (None: the whole context)
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    # the decode masks built this step, by sliding window (None: the whole context), and
+    # what `per_step` keeps
+    _decode_masks: dict = field(default_factory=dict, repr=False)
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Every sequence of the step in row order, the uniform group and the prompt chunks
@@ -78,6 +79,13 @@ class AttentionMetadata:
         """Build the decode mask again on next use (metadata reused across steps, as a
         decode graph's static inputs are)."""
         self._decode_masks.clear()
+
+    def per_step(self, key, build):
+        """`build()`, called once per step for `key` and kept beside the decode masks (a
+        layer kind's own view of the decode batch)."""
+        if key not in self._decode_masks:
+            self._decode_masks[key] = build()
+        return self._decode_masks[key]
 
     def decode_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """[decode_batch, q_len, 1, decode_ctx] additive mask: query j of sequence b sits at

@@ -105,16 +105,17 @@ def _window_decode(meta: AttentionMetadata, window: int, dtype: torch.dtype):
     """(slots [B * S], additive mask [B, Q, 1, S]) of the S = window + Q - 1 positions the
     step's queries of a sliding-window layer can see (fewer where the padded context is
     shorter), so that such a layer reads its window, not the whole context. Built once per
-    step and window, beside the step's decode masks."""
-    key = ("window_span", window)
-    if key not in meta._decode_masks:
-        B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
-        starts = meta.decode_starts
-        span = min(window + Q - 1, L)
-        first = (starts - window + 1).clamp(min=0).clamp(max=L - span)
-        pos = first[:, None] + torch.arange(span, device=starts.device)  # [B, S]
-        slots = meta.decode_slots.view(B, L).gather(1, pos).reshape(-1)
-        q_pos = starts[:, None] + torch.arange(Q, device=starts.device)  # [B, Q]
-        hidden = _hidden(pos[:, None, :], q_pos[..., None], window)
-        meta._decode_masks[key] = (slots, _additive(hidden, dtype).unsqueeze(2))
-    return meta._decode_masks[key]
+    step and window."""
+    return meta.per_step(("window_span", window), lambda: _window_span(meta, window, dtype))
+
+
+def _window_span(meta: AttentionMetadata, window: int, dtype: torch.dtype):
+    B, Q, L = meta.decode_batch, meta.decode_q_len, meta.decode_ctx
+    starts = meta.decode_starts
+    span = min(window + Q - 1, L)
+    first = (starts - window + 1).clamp(min=0).clamp(max=L - span)
+    pos = first[:, None] + torch.arange(span, device=starts.device)  # [B, S]
+    slots = meta.decode_slots.view(B, L).gather(1, pos).reshape(-1)
+    q_pos = starts[:, None] + torch.arange(Q, device=starts.device)  # [B, Q]
+    hidden = _hidden(pos[:, None, :], q_pos[..., None], window)
+    return slots, _additive(hidden, dtype).unsqueeze(2)
