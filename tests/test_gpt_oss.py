@@ -169,8 +169,12 @@ def test_prefill_logits_match_transformers(gpt_oss_dir, monkeypatch):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"max_num_batched_tokens": 16}],  # chunked: later chunks read the cache in a window
-    ids=["whole", "chunked"],
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked: later chunks read the cache in a window
+        {"cuda_graphs": True, "max_batch": 8},  # decodes padded to the graphs' batch buckets
+    ],
+    ids=["whole", "chunked", "graphs"],
 )
 def test_greedy_matches_transformers(gpt_oss_dir, prompts, options):
     hf = hf_model(gpt_oss_dir)
