@@ -238,9 +238,10 @@ def test_mxfp4_prefill_logits_match_transformers(mxfp4_dir, monkeypatch):
 
 def test_mxfp4_greedy_matches_transformers(mxfp4_dir, prompts, monkeypatch):
     """Greedy tokens of the 4-bit experts through the FP4 linears' reference (the path
-    without the CPU kernels; float activations, as on CUDA): transformers' on the same bytes. The CPU kernel's
-    int8 activations move this random model's logits by up to ~1% (the logits test above),
-    about half its smallest top-two gaps, so its tokens are compared there, not here."""
+    without the CPU kernels; float activations, as on CUDA): transformers' on the same
+    bytes. The CPU kernel's int8 activations move this random model's logits by up to ~1%
+    (the logits test above), about half its smallest top-two gaps, so its tokens are
+    compared there, not here."""
     from expresslane import kernels
 
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
