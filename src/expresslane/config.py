@@ -35,6 +35,7 @@ class EngineConfig:
     quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
     kv_cache_dtype: str = "auto"  # the model's dtype; float32, bfloat16, fp8, fp4 (kv_store.py)
     max_queue_seconds: float | None = None  # not started by then: fails (serve: 60 s)
+    tensor_parallel_size: int = 1  # processes the model's layers are split over (engine/parallel)
 
     @classmethod
     def from_options(cls, model: str | None, options: dict) -> EngineConfig:
@@ -51,6 +52,9 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"unknown quantization {config.quantization!r}; choose from {sorted(FORMATS)}"
             )
+        size = config.tensor_parallel_size
+        if not isinstance(size, int) or size < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be 1 or more, not {size!r}")
         from expresslane.models.kv_store import KV_CACHE_DTYPES
 
         if config.kv_cache_dtype not in KV_CACHE_DTYPES:

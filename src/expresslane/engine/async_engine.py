@@ -160,6 +160,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     # -- the loop thread ----------------------------------------------------------------
 

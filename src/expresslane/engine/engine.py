@@ -13,6 +13,7 @@ from expresslane.engine.grammar import GrammarMatchers
 from expresslane.engine.isolation import StepRun, device_fault, request_error, run_isolated
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.output import OutputProcessor, RequestOutput
+from expresslane.engine.parallel.group import TensorParallelGroup
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.runner import CacheConfig, ModelRunner, size_kv_cache
@@ -37,6 +38,14 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         mcfg = ModelConfig.from_dir(config.model_dir)
+        self.parallel: TensorParallelGroup | None = None  # with tensor_parallel_size > 1
+        try:
+            self._start(config, mcfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, mcfg: ModelConfig) -> None:
         max_len = self._load_model(config, mcfg)
         kv = size_kv_cache(config, mcfg, self.dtype, max_len)
         self.kv_store, self.kv_bytes_per_token = kv.store, kv.bytes_per_token
@@ -46,6 +55,8 @@ class LLMEngine:
         cache = CacheConfig(num_blocks, config.block_size, self.kv_store)
         graphs = config.max_batch if config.cuda_graphs else None
         self.runner = ModelRunner(self.model, cache, config.seed, config.batch_invariant, graphs)
+        if self.parallel is not None:
+            self.parallel.bind(self.model, cache, mcfg.vocab_size)
         log.info("execution plan: %s", self.model.plan.describe())
         # steps the C++ layer stack runs (decodes and verifications up to its row limit) cost
         # other than larger ones: the step-latency model fits them on a line of their own
@@ -71,8 +82,16 @@ class LLMEngine:
         max_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if mcfg.sliding_window:
             max_len = min(max_len, mcfg.sliding_window)  # no sliding-window attention yet
+        if config.tensor_parallel_size > 1:  # the workers load their shards meanwhile
+            self.parallel = TensorParallelGroup(config, max_len)
         self.model, self.model_config = load_model(
-            config.model_dir, self.dtype, self.device, max_len, linear_dtype, config.quantization
+            config.model_dir,
+            self.dtype,
+            self.device,
+            max_len,
+            linear_dtype,
+            config.quantization,
+            self.parallel.shard if self.parallel is not None else None,
         )
         self.lanes = build_lanes(config.lanes)
         self.factory = RequestFactory(
@@ -87,6 +106,11 @@ class LLMEngine:
         self.eos_token_ids = self.factory.eos_token_ids
         self._grammars = self.factory.grammars
         return max_len
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine runs no step after)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def snapshot(self) -> EngineSnapshot:
         """A copy of what the server reports (server/metrics.py); safe from another thread:

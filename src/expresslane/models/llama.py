@@ -120,6 +120,7 @@ class LlamaModel(nn.Module):
         self.layer_stack = None  # the C++ layer stack (kernels/layer_stack_cpu.cpp), once bound
         self.plan: ExecutionPlan | None = None  # which kernels run each step, once bound
         self.batch_invariant = False  # ask the plan for row-invariant kernels in every step
+        self.allow_stack = True  # False for a tensor-parallel shard: the stack cannot all-reduce
         self.prompt_linears = linear_choice.ROW_KERNEL  # measured in prepare_cpu
 
     @property
@@ -269,6 +270,8 @@ def build_layer_stack(model: LlamaModel):
     layers = model.layers
     linears = model.layer_linears()
     cfg = model.cfg
+    if not model.allow_stack:
+        return None
     if cfg.moe is not None or cfg.sandwich_norms or cfg.layer_windows or cfg.query_scale != 1:
         return None  # the stack runs the Llama block only: dense, whole context, silu
     if not linears or any(m.path not in STACK_PATHS for m in linears):

@@ -15,6 +15,7 @@ from expresslane.models import gpt_oss
 from expresslane.models.config import ModelConfig
 from expresslane.models.llama import LlamaModel
 from expresslane.models.moe import EXPERT_NAMES, expert_weights
+from expresslane.models.shard import Shard
 from expresslane.quant.checkpoint import QUANT_METHOD, quantize_tensors, read_fp4_weights
 from expresslane.quant.int4 import Int4Weight
 from expresslane.quant.linear import Fp4Weight
@@ -156,9 +157,12 @@ def load_model(
     max_positions: int,
     linear_dtype: torch.dtype | None = None,
     quantization: str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """`dtype` is the compute dtype; on CPU, `linear_dtype=torch.bfloat16` with a float32
-    `dtype` keeps bf16 linear weights for the small-batch kernel (see `Linear.prepare_cpu`)."""
+    `dtype` keeps bf16 linear weights for the small-batch kernel (see `Linear.prepare_cpu`).
+    With `shard`, the model is that rank's part of a tensor-parallel model (its `cfg` this
+    rank's heads and columns; the config returned is the whole model's)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     raw = read_checkpoint(model_dir)
@@ -178,8 +182,13 @@ def load_model(
     if quant_config:
         read_fp4_weights(raw, quant_config)
     weights = fuse_weights(cfg, raw, dtype, linear_dtype)
+    model_cfg = cfg
+    if shard is not None:
+        shard.check(cfg)
+        weights, model_cfg = shard.weights(cfg, weights), shard.config(cfg)
     weights = {k: v.to(device) for k, v in weights.items()}
-    model = LlamaModel(cfg, weights, dtype, max_positions).to(device)
+    model = LlamaModel(model_cfg, weights, dtype, max_positions).to(device)
+    model.allow_stack = shard is None
     if device.type == "cpu":
         model.prepare_cpu(dtype)
     return model.eval(), cfg

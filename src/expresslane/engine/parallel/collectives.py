@@ -1,0 +1,67 @@
+"""The collectives of a tensor-parallel group, on one `torch.distributed` process group made
+directly from a store (no global default group: several engines may live in one process).
+Gloo on a CPU, NCCL on CUDA; every call waits at most `timeout`."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits in one collective for the others: they run the same forward pass, so
+# only a rank that hangs or died makes one wait long (a dead rank's gloo peers fail at once).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a rank died, hung, or its connection broke."""
+
+
+def host_store(size: int) -> dist.TCPStore:
+    """The rendezvous store rank 0 hosts on a free local port (`.port`)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False
+    )
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, False, timeout=RENDEZVOUS_TIMEOUT)
+
+
+class Collectives:
+    """Rank `rank` of `size` in one process group; blocks until every rank has joined."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
+        self.rank, self.size = rank, size
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self.group = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        # what a failed collective raises, made from the CollectiveError (rank 0's group's)
+        self.on_error: Callable[[CollectiveError], Exception] | None = None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks, in place."""
+        self._wait(self.group.allreduce([t]))
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """On rank 0 every rank's `t` side by side on the last axis; None on the others."""
+        t = t.contiguous()
+        parts = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._wait(self.group.gather(parts, [t], options))
+        return torch.cat(parts[0], dim=-1) if self.rank == 0 else None
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # gloo and NCCL raise RuntimeError subclasses
+            error = CollectiveError(str(e).split("\n")[0])
+            raise (error if self.on_error is None else self.on_error(error)) from e

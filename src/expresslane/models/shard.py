@@ -1,0 +1,136 @@
+"""Tensor parallelism's split of a model: which part of each weight a rank holds. Attention
+heads and MLP columns are split, KV heads split or, when there are fewer than ranks,
+replicated; vocabulary rows split for the embedding and the output head (padded to one size,
+so that logits gather in one call)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from expresslane.errors import ModelLoadError
+from expresslane.models.config import ModelConfig
+from expresslane.quant.linear import Fp4Weight
+
+ROW_ALIGN = 16  # vocabulary rows per rank rounded to this: the packed kernels take 16-row blocks
+
+
+def _splittable(w) -> None:
+    if not isinstance(w, torch.Tensor | Fp4Weight):
+        raise ModelLoadError("tensor parallelism does not split GGUF 4-bit weights yet")
+
+
+def _rows(w, index: torch.Tensor):
+    _splittable(w)
+    if isinstance(w, Fp4Weight):
+        return Fp4Weight(w.fmt, w.packed[index], w.scales[index], w.row_scales[index])
+    return w[index].contiguous()
+
+
+def _columns(w, start: int, end: int):
+    _splittable(w)
+    if isinstance(w, Fp4Weight):
+        block = w.fmt.block_size
+        if start % block or end % block:
+            raise ModelLoadError(
+                f"tensor parallelism splits an FP4 weight at column {start}, not a multiple of "
+                f"its {block}-value blocks: choose a smaller tensor_parallel_size"
+            )
+        packed = w.packed[:, start // 2 : end // 2].contiguous()
+        scales = w.scales[:, start // block : end // block].contiguous()
+        return Fp4Weight(w.fmt, packed, scales, w.row_scales)
+    return w[:, start:end].contiguous()
+
+
+def _pad_rows(w, rows: int):
+    """`w` with zero rows appended up to `rows`."""
+    extra = rows - (w.packed.shape[0] if isinstance(w, Fp4Weight) else w.shape[0])
+    if not extra:
+        return w
+    if isinstance(w, Fp4Weight):
+        return Fp4Weight(
+            w.fmt,
+            torch.cat([w.packed, w.packed.new_zeros(extra, w.packed.shape[1])]),
+            torch.cat([w.scales, w.scales.new_zeros(extra, w.scales.shape[1])]),
+            torch.cat([w.row_scales, w.row_scales.new_zeros(extra)]),
+        )
+    return torch.cat([w, w.new_zeros(extra, w.shape[1])])
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`."""
+
+    rank: int
+    size: int
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ModelLoadError where this model does not split over `size` ranks."""
+        n, h, kv = self.size, cfg.num_heads, cfg.num_kv_heads
+        if cfg.moe is not None:
+            raise ModelLoadError("tensor parallelism does not split mixture-of-experts models yet")
+        if h % n or (kv % n and n % kv) or cfg.intermediate_size % n:
+            raise ModelLoadError(
+                f"tensor_parallel_size {n} does not divide this model: {h} attention heads, "
+                f"{kv} KV heads (or a multiple of them), {cfg.intermediate_size} MLP columns"
+            )
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this rank runs it: its heads, KV heads and MLP columns."""
+        return dataclasses.replace(
+            cfg,
+            num_heads=cfg.num_heads // self.size,
+            num_kv_heads=max(cfg.num_kv_heads // self.size, 1),
+            intermediate_size=cfg.intermediate_size // self.size,
+        )
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first token, end, rows per rank padded) of this rank's vocabulary part."""
+        per = -(-vocab_size // self.size)
+        per = -(-per // ROW_ALIGN) * ROW_ALIGN
+        first = min(self.rank * per, vocab_size)
+        return first, min(first + per, vocab_size), per
+
+    def weights(self, cfg: ModelConfig, weights: dict) -> dict:
+        """This rank's part of the loader's fused weights (models/loader.py)."""
+        first, end, per = self.vocab_rows(cfg.vocab_size)
+        embed = weights["embed"][first:end]
+        out = {
+            # one zero row past the part: where the tokens of the other ranks' parts look up
+            "embed": torch.cat([embed, embed.new_zeros(1, embed.shape[1])]),
+            "lm_head": _pad_rows(_rows(weights["lm_head"], torch.arange(first, end)), per),
+            "norm": weights["norm"],
+        }
+        for name, w in weights.items():
+            if name.startswith("layers."):
+                out[name] = self._layer_weight(cfg, name.rsplit(".", 1)[1], w)
+        return out
+
+    def _layer_weight(self, cfg: ModelConfig, kind: str, w):
+        if kind in ("qkv", "qkv_bias"):
+            return _rows(w, self._qkv_rows(cfg))
+        if kind == "o":
+            per = cfg.num_heads // self.size * cfg.head_dim
+            return _columns(w, self.rank * per, (self.rank + 1) * per)
+        per = cfg.intermediate_size // self.size
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        if kind == "gate_up":
+            index = torch.cat([torch.arange(lo, hi), cfg.intermediate_size + torch.arange(lo, hi)])
+            return _rows(w, index)
+        if kind == "down":
+            return _columns(w, lo, hi)
+        return w  # norms: every rank has them whole
+
+    def _qkv_rows(self, cfg: ModelConfig) -> torch.Tensor:
+        """Rows of the fused q, k, v projection: this rank's q heads and KV heads."""
+        d, n, r = cfg.head_dim, self.size, self.rank
+        q_heads = cfg.num_heads // n
+        kv_heads = max(cfg.num_kv_heads // n, 1)
+        kv_first = r * cfg.num_kv_heads // n  # with fewer KV heads than ranks: shared
+        q = torch.arange(r * q_heads * d, (r + 1) * q_heads * d)
+        k0 = cfg.num_heads * d + kv_first * d
+        k = torch.arange(k0, k0 + kv_heads * d)
+        v = k + cfg.num_kv_heads * d
+        return torch.cat([q, k, v])
