@@ -83,6 +83,11 @@ class TensorParallelGroup:
     def size(self) -> int:
         return self.shard.size
 
+    @property
+    def processes(self) -> list:
+        """The worker ranks' processes (rank 1 first); none once stopped."""
+        return [proc for proc, _ in self._workers]
+
     def _send(self, args, kwargs) -> None:
         """Before rank 0's forward pass: hand it to every worker."""
         if self.error is None and self._in_step:  # the last forward pass raised midway

@@ -61,7 +61,7 @@ class Forward:
     prefills: list[tuple]  # (start, length, context_len, slots, prompt_end) per chunk
 
     @classmethod
-    def of(cls, input_ids, positions, meta: AttentionMetadata, logits_indices) -> Forward:
+    def of(cls, input_ids, positions, meta: AttentionMetadata, logits_indices=None) -> Forward:
         decode = {name: _array(getattr(meta, name)) for name in _DECODE_TENSORS}
         decode.update({name: getattr(meta, name) for name in _DECODE_INTS})
         prefills = [
