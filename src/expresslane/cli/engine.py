@@ -94,6 +94,15 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
         "row-invariant; needs the C++ layer stack)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="split the model's layers over N processes, each on its own cores or device "
+        "(config: tensor_parallel_size; default: 1)",
+    )
+    p.add_argument(
         "--cuda-graphs",
         action="store_true",
         default=None,
@@ -151,6 +160,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "enable_prefix_caching",
             "batch_invariant",
             "cuda_graphs",
+            "tensor_parallel_size",
             "quantization",
             "kv_cache_dtype",
         )

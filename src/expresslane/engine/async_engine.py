@@ -79,8 +79,8 @@ class AsyncEngine:
         self._thread.start()
 
     def is_alive(self) -> bool:
-        """Whether the step loop thread is running."""
-        return self._thread.is_alive() and not self._stop
+        """Whether the step loop thread is running, on an engine that can run steps."""
+        return self._thread.is_alive() and not self._stop and self.engine.healthy
 
     @property
     def tokenizer(self):

@@ -112,6 +112,11 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.close()
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine cannot run steps any more (a tensor-parallel rank died)."""
+        return self.parallel is None or self.parallel.error is None
+
     def snapshot(self) -> EngineSnapshot:
         """A copy of what the server reports (server/metrics.py); safe from another thread:
         it copies the scheduler's lists before counting."""

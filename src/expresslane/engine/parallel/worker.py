@@ -44,6 +44,7 @@ def run(spec: WorkerSpec, conn) -> None:
         conn.send(STARTED)
         model = _load(spec)
         _serve(model, conn)
+        os._exit(0)  # told to stop: no interpreter teardown (extension modules' leak reports)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(0)  # rank 0 went away: nothing to report to
     except Exception as e:
