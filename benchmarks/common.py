@@ -28,6 +28,10 @@ SMOLLM2_135M = dict(
     eos_token_id=0,
 )
 
+# SmolLM2-135M's weights' shapes with 12 attention heads of 48 and 4 KV heads in place of 9 of
+# 64 and 3 (the same projection sizes, the same 3 query heads per KV head): a model that splits
+# over 2 or 4 tensor-parallel ranks (benchmarks/decode.py --tensor-parallel-size).
+SMOLLM2_SPLIT = {**SMOLLM2_135M, "num_attention_heads": 12, "num_key_value_heads": 4}
 
 # Llama-3.2-1B's shape (0.99B parameters) with the demo model's 8192-token vocabulary, so that
 # its tokenizer serves it (benchmarks/tiers.py talks text): the GPU check's model.

@@ -10,6 +10,7 @@ and 16x512 prompt tokens (`--prefill`).
                                 [--rounds 5] [--skip-hf] [--dtype auto] [--quantization nvfp4]
                                 [--temperature 0] [--top-p 1] [--model smollm2]
                                 [--device auto] [--kv-cache-gb 1] [--hf-dtypes bfloat16,float32]
+                                [--tensor-parallel-size N]
 
 `--model smollm2` runs the real SmolLM2-135M-Instruct (the directory transformers saves from its
 GGUF, bf16: tests/real_model.py) instead of random weights of its architecture; any other value
@@ -24,6 +25,11 @@ without AVX-512/AMX, also in float32; both are reported. expresslane uses dtype=
 `--dtype` names another, and the bf16 weights unless `--quantization` names an FP4 format; it
 decodes greedily unless `--temperature` is set (with `--top-p`, nucleus sampling; transformers
 always decodes greedily).
+
+`--tensor-parallel-size N` measures expresslane at size 1 and then at size N, in that order
+(rank 0 pins the process to its cores while its group lives, so the two cannot alternate), on
+`SMOLLM2_SPLIT` (SmolLM2-135M's weight shapes with heads that split) unless `--model` names
+another; each reports its own batch-1 median over `--rounds`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,15 @@ import statistics
 import time
 
 import torch
-from common import SMOLLM2_135M, machine, model_vocab, random_checkpoint, real_smollm2, save_results
+from common import (
+    SMOLLM2_135M,
+    SMOLLM2_SPLIT,
+    machine,
+    model_vocab,
+    random_checkpoint,
+    real_smollm2,
+    save_results,
+)
 
 PROMPT, NEW = 128, 64
 VOCAB = SMOLLM2_135M["vocab_size"]  # the model's (main)
@@ -44,7 +58,9 @@ def prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
     return torch.randint(1, VOCAB, (batch, length), generator=g).tolist()
 
 
-def model_path(name: str | None):
+def model_path(name: str | None, split: bool = False):
+    if name is None and split:
+        return random_checkpoint("smollm2-135m-split", SMOLLM2_SPLIT)
     if name is None:
         return random_checkpoint("smollm2-135m", SMOLLM2_135M)
     if name == "smollm2":
@@ -52,7 +68,8 @@ def model_path(name: str | None):
     return name
 
 
-def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], args):
+def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], args, tp: int = 1):
+    """(figures, batch-1 sampler, close) of expresslane at tensor-parallel size `tp`."""
     from expresslane import LLM, SamplingParams
 
     longest = max([PROMPT + NEW, *(n + 1 for _, n in prefill)])
@@ -65,6 +82,7 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
         max_model_len=longest,
         max_batch=max(batches),
         max_num_batched_tokens=2048,
+        tensor_parallel_size=tp,
     )
     sp = SamplingParams(
         max_tokens=NEW, temperature=args.temperature, top_p=args.top_p, ignore_eos=True, seed=0
@@ -90,7 +108,7 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
     def batch1() -> float:
         return llm.generate(prompts(1), sp)[0].metrics["decode_tokens_per_s"]
 
-    return out, batch1
+    return out, batch1, llm.engine.close
 
 
 def bench_hf(
@@ -147,6 +165,19 @@ def bench_hf(
     return out, batch1
 
 
+def bench_tensor_parallel(path, batches, prefill, args) -> dict:
+    """expresslane at `--tensor-parallel-size`, its batch-1 rounds run before it closes."""
+    out, batch1, close = bench_expresslane(path, batches, prefill, args, args.tensor_parallel_size)
+    try:
+        if 1 in batches:
+            rounds = [batch1() for _ in range(args.rounds)]
+            out["batch1_rounds"] = rounds
+            out[1]["decode_tok_s"] = statistics.median(rounds)
+    finally:
+        close()
+    return out
+
+
 HF_NAMES = {"bfloat16": "hf_bf16", "float32": "hf_fp32"}
 
 
@@ -164,20 +195,24 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="both engines' (auto: cuda if there is one)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="expresslane's KV cache")
     ap.add_argument("--hf-dtypes", default="bfloat16,float32", help="transformers' dtypes")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="also at this size")
     args = ap.parse_args()
     global VOCAB
     batches = [int(b) for b in args.batches.split(",")]
     prefill = [
         tuple(int(v) for v in shape.split("x")) for shape in args.prefill.split(",") if shape
     ]
-    path = model_path(args.model)
+    tp = args.tensor_parallel_size
+    path = model_path(args.model, split=tp > 1)
     VOCAB = model_vocab(path)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"machine": machine(), "model": str(path), "prompt": PROMPT, "new_tokens": NEW}
-    results["expresslane"], samplers = bench_expresslane(path, batches, prefill, args)
-    samplers = {"expresslane": samplers}
+    results["expresslane"], sampler, _ = bench_expresslane(path, batches, prefill, args)
+    samplers = {"expresslane": sampler}
+    if tp > 1:
+        results[f"expresslane_tp{tp}"] = bench_tensor_parallel(path, batches, prefill, args)
     if not args.skip_hf:
         for dtype in args.hf_dtypes.split(","):
             name = HF_NAMES[dtype]
@@ -202,7 +237,7 @@ def main() -> None:
         + " |"
     )
     print("|---|---|---|" + "---|" * (len(batches) + len(shapes)))
-    for name in ("expresslane", "hf_bf16", "hf_fp32"):
+    for name in ("expresslane", f"expresslane_tp{tp}", "hf_bf16", "hf_fp32"):
         r = results.get(name)
         if not r:
             continue
