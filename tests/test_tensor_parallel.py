@@ -32,7 +32,7 @@ def no_orphans():
 def generate(path, prompts, params=GREEDY, passes: int = 1, **options):
     """Token ids of each pass's outputs (the same prompts again: from the prefix cache), and
     the outputs of the last, from a fresh `LLM` closed after."""
-    llm = LLM(str(path), dtype="float32", **options)
+    llm = LLM(path and str(path), dtype="float32", **options)
     try:
         runs = [llm.generate(prompts, params) for _ in range(passes)]
     finally:
@@ -68,6 +68,31 @@ def test_ngram_speculation_at_size_2(llama_dir):
     plain, _ = generate(llama_dir, prompts)
     assert tokens == plain[0]
     assert stats.proposed > 0 and stats.accepted > 0
+
+
+def test_draft_speculation_at_size_2():
+    """The bundled demo model (float32: no C++ layer stack at size 1 either) and its draft,
+    which runs on rank 0 alone."""
+    prompts = ["The quick brown fox", "Once upon a time, there was", "def add(a, b):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = {"method": "draft", "num_tokens": 4, "max_batch": None}
+    llm = LLM(None, dtype="float32", tensor_parallel_size=2, speculative=spec)
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.speculation.stats
+    finally:
+        llm.engine.close()
+    plain, _ = generate(None, prompts, params)
+    assert tokens == plain[0]
+    assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_compressed_kv_at_size_2(llama_dir, kv):
+    prompts = mixed_prompts(seed=5)[:4]
+    one, _ = generate(llama_dir, prompts, kv_cache_dtype=kv)
+    two, _ = generate(llama_dir, prompts, kv_cache_dtype=kv, tensor_parallel_size=2)
+    assert two == one
 
 
 def first_divergence(ref, out) -> tuple[int, float] | None:
