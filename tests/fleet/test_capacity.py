@@ -60,3 +60,11 @@ def test_a_file_that_cannot_fit_exits_2_in_one_line(tmp_path):
     lines = [line for line in out.stderr.splitlines() if "expresslane cluster: error:" in line]
     assert len(lines) == 1 and "pool 'big' asks 4 CPU per replica" in lines[0]
     assert "Traceback" not in out.stderr
+
+
+def test_a_tensor_parallel_replica_needs_its_ranks_on_one_node():
+    why = shortfall(parse_cluster(pools(replicas=1, num_cpus=1.5, tp=2)), TWO_CORES)
+    assert why.startswith("pool 'std' asks 3 CPU per replica")
+    spec = parse_cluster(pools(replicas=1, num_cpus=0.5, tp=2))
+    assert shortfall(spec, [{"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]) is not None
+    assert shortfall(spec, TWO_CORES) is None

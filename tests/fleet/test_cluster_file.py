@@ -100,3 +100,21 @@ def test_the_ingress_states_a_promise_given_in_numbers(llama_dir):
     assert stated.promises()["ultrafast"].floor_tokens_per_s == 20.0
     auto = FleetEngine(parse_cluster({"pools": POOLS}), {}, llama_dir)
     assert auto.promises() == {}  # each replica measures an "auto" one for itself
+
+
+def test_a_tensor_parallel_pool_is_a_placement_group_per_replica():
+    tp = {"tiers": ["default"], "tp": 2, "num_cpus": 0.5}
+    spec = parse_cluster({"pools": {"std": tp}})
+    pool = spec.pools["std"]
+    assert pool.engine_options()["tensor_parallel_size"] == 2
+    assert pool.placement_bundles() == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert parse_cluster({"pools": POOLS}).pools["std"].placement_bundles() is None
+    for bad in ({"tp": 0}, {"engine": {"tensor_parallel_size": 2}}):
+        with pytest.raises(ClusterFileError, match="tp .at least 1. sets"):
+            parse_cluster({"pools": {"std": {**tp, **bad}}})
+    pytest.importorskip("ray")
+    from expresslane.fleet.deploy import _pool_app
+
+    replica = _pool_app(spec, pool)._bound_deployment._replica_config  # Ray Serve's own record
+    assert replica.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert replica.placement_group_strategy == "STRICT_PACK"

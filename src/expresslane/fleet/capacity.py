@@ -1,8 +1,9 @@
 """Whether a cluster file fits the Ray cluster it is deployed on, checked before anything is
 deployed: Ray would otherwise place what fits and wait, silently, for the rest.
 
-Every replica needs one node with its CPUs and GPUs; together, the ingress replicas and each
-pool's replicas (its `min_replicas` when it autoscales) need the cluster's total. The answer is
+Every replica needs one node with its CPUs and GPUs (all its tensor-parallel ranks');
+together, the ingress replicas and each pool's replicas (its `min_replicas` when it
+autoscales) need the cluster's total. The answer is
 one line naming what asks, what the cluster has and how to make it fit.
 """
 
@@ -25,7 +26,9 @@ def asks(spec: ClusterSpec) -> list[Ask]:
     out = [Ask("the ingress", spec.ingress.replicas, spec.ingress.num_cpus, 0.0)]
     for name, pool in spec.pools.items():
         replicas = pool.min_replicas if pool.autoscaled else pool.replicas
-        out.append(Ask(f"pool {name!r}", replicas, pool.num_cpus, pool.num_gpus))
+        # a tensor-parallel replica's ranks share one node
+        cpus, gpus = pool.num_cpus * pool.tp, pool.num_gpus * pool.tp
+        out.append(Ask(f"pool {name!r}", replicas, cpus, gpus))
     return out
 
 

@@ -12,15 +12,17 @@
     replicas = 1                   # or min_replicas / max_replicas (Ray Serve autoscaling)
     region = "eu"                  # [pools.fast.autoscaling]: more of Ray Serve's
                                    # AutoscalingConfig (upscale_delay_s, ...)
-    num_cpus = 1
+    num_cpus = 1                   # per tensor-parallel rank
+    tp = 1                         # ranks per replica: one engine over tp processes, one node
     [pools.fast.engine]            # EngineConfig fields of this pool's replicas
     max_batch = 4
     [pools.fast.lanes.ultrafast]   # lane settings of this pool's replicas
     target_tokens_per_s = "auto"
 
-Each pool is one Ray Serve deployment; a replica is one `LLMEngine`. A pool's replicas serve
-the tiers it lists (its other lanes stay idle); the ingress sends each request to a pool of
-its tier in a region its key allows.
+Each pool is one Ray Serve deployment; a replica is one `LLMEngine` (with `tp` > 1, a
+tensor-parallel group: its ranks' CPUs and GPUs reserved as one placement group on one
+node). A pool's replicas serve the tiers it lists (its other lanes stay idle); the ingress
+sends each request to a pool of its tier in a region its key allows.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class PoolSpec:
     target_ongoing_requests: float = 8.0  # autoscaling: requests per replica it aims at
     autoscaling: dict = field(default_factory=dict)  # more AutoscalingConfig fields
     max_ongoing_requests: int = 64  # Ray Serve sends a replica no more at once
-    num_cpus: float = 1.0
+    num_cpus: float = 1.0  # per tensor-parallel rank
     num_gpus: float = 0.0
+    tp: int = 1  # tensor-parallel ranks per replica (the engine's tensor_parallel_size)
     engine: dict = field(default_factory=dict)  # EngineConfig fields
     lanes: dict = field(default_factory=dict)  # [lanes.NAME] tables
     # idle replicas take flex work too (preempted by the engine when their tiers' work comes)
@@ -84,7 +87,16 @@ class PoolSpec:
             if name != "default":
                 served = name in self.tiers or (name == "flex" and self.spare_flex)
                 lanes.setdefault(name, {}).setdefault("enabled", served)
-        return {**self.engine, "lanes": lanes}
+        parallel = {"tensor_parallel_size": self.tp} if self.tp > 1 else {}
+        return {**self.engine, "lanes": lanes, **parallel}
+
+    def placement_bundles(self) -> list[dict[str, float]] | None:
+        """One bundle per tensor-parallel rank (the replica's actor takes the first), packed
+        on one node: the ranks are the replica's own processes. None for a single rank."""
+        if self.tp == 1:
+            return None
+        bundle = {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+        return [dict(bundle) for _ in range(self.tp)]
 
 
 @dataclass
@@ -151,6 +163,11 @@ def _pool(name: str, table: dict) -> PoolSpec:
         raise ClusterFileError(f"[pools.{name}] replicas must be at least 1")
     if pool.stream_interval < 1:
         raise ClusterFileError(f"[pools.{name}] stream_interval must be at least 1")
+    if pool.tp < 1 or "tensor_parallel_size" in pool.engine:
+        raise ClusterFileError(
+            f"[pools.{name}] tp (at least 1) sets the replicas' tensor-parallel size, not "
+            "[engine] tensor_parallel_size"
+        )
     try:
         options = pool.engine_options()
         check_types(EngineConfig, pool.engine, f"pools.{name}.engine")

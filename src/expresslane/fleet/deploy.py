@@ -38,6 +38,9 @@ def _pool_app(spec: ClusterSpec, pool: PoolSpec):
         if pool.autoscaled
         else {"num_replicas": pool.replicas}
     )
+    bundles = pool.placement_bundles()
+    if bundles is not None:
+        scaling.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
     deployment = serve.deployment(EngineReplica).options(
         name=pool_deployment_name(pool.name),
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
