@@ -13,7 +13,7 @@ from expresslane import LLM, SamplingParams
 from expresslane.config import EngineConfig
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.parallel.affinity import rank_cores
-from expresslane.errors import InvalidRequestError
+from expresslane.errors import InvalidRequestError, ModelLoadError
 from expresslane.models.config import ModelConfig
 from expresslane.models.shard import Shard
 
@@ -143,6 +143,12 @@ def test_shards_split_heads_columns_and_vocabulary(llama_dir):
         Shard(0, 3).check(cfg)
     with pytest.raises(InvalidRequestError, match="cuda_graphs"):
         LLMEngine(EngineConfig(model=str(llama_dir), tensor_parallel_size=2, cuda_graphs=True))
+
+
+def test_a_model_that_does_not_split_fails_to_load_cleanly(llama_dir):
+    """Three ranks for four heads: the load fails in one line, and no worker is left."""
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 does not divide"):
+        LLM(str(llama_dir), dtype="float32", tensor_parallel_size=3)
 
 
 def run_to_end(engine: LLMEngine, prompts) -> list:

@@ -49,24 +49,33 @@ class TensorParallelGroup:
         self.shard = Shard(0, size)
         self.error: str | None = None  # why the group broke
         self._in_step = False
-        store = host_store(size)
+        self._workers: list = []  # (process, pipe) of ranks 1..size-1
+        self._pinned = None  # what to undo at close
+        try:
+            store = host_store(size)
+            self._spawn(config, max_len, store.port)
+            if affinity.enabled():
+                self._pinned = affinity.pin_process(affinity.rank_cores(0, size))
+            for rank in range(1, size):
+                self._expect(rank, str)
+            self.comm = Collectives(store, 0, size, config.torch_device())
+        except BaseException:
+            self.close()
+            raise
+        self.comm.on_error = self._collective_failed
+        self._store = store
+
+    def _spawn(self, config: EngineConfig, max_len: int, port: int) -> None:
         context = multiprocessing.get_context("spawn")
-        self._workers = []
+        size = self.size
         for rank in range(1, size):
-            spec = WorkerSpec(
-                config, rank, size, store.port, max_len, affinity.rank_cores(rank, size)
-            )
+            cores = affinity.rank_cores(rank, size)
+            spec = WorkerSpec(config, rank, size, port, max_len, cores)
             ours, theirs = context.Pipe()
             proc = context.Process(target=run, args=(spec, theirs), daemon=True, name=f"tp{rank}")
             proc.start()
             theirs.close()
             self._workers.append((proc, ours))
-        self._pinned = affinity.pin_process(affinity.rank_cores(0, size))
-        for rank in range(1, size):
-            self._expect(rank, str)
-        self.comm = Collectives(store, 0, size, config.torch_device())
-        self.comm.on_error = self._collective_failed
-        self._store = store
 
     def bind(self, model: LlamaModel, cache, vocab_size: int) -> None:
         """Once rank 0's runner has bound `model` to its KV cache: the workers allocate
