@@ -122,10 +122,8 @@ class TensorParallelGroup:
         return TensorParallelError(self.error)
 
     def _check_alive(self) -> None:
-        for rank, (proc, _) in enumerate(self._workers, 1):
-            if not proc.is_alive():
-                self._fail(self._death(rank))
-                return
+        if not all(proc.is_alive() for proc, _ in self._workers):
+            self._fail("found before a step")
 
     def _death(self, rank: int) -> str:
         proc, conn = self._workers[rank - 1]
@@ -140,7 +138,8 @@ class TensorParallelGroup:
         return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}{said}"
 
     def _fail(self, what: str) -> None:
-        """Break the group for good: log why once, stop every worker."""
+        """Break the group for good: log why once (a rank that exited first), stop every
+        worker."""
         for rank, (proc, _) in enumerate(self._workers, 1):
             proc.join(0.5 if self._in_step else 0)
             if not proc.is_alive() and proc.exitcode not in (None, 0):
@@ -156,12 +155,12 @@ class TensorParallelGroup:
         proc, conn = self._workers[rank - 1]
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
         while not conn.poll(0.2):
-            if not proc.is_alive() or time.monotonic() > deadline:
-                self.close()
+            if not proc.is_alive():
                 raise TensorParallelError(f"{self._death(rank)} while starting")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel rank {rank} did not start in time")
         msg = conn.recv()
         if not isinstance(msg, kind):
-            self.close()
             detail = msg.error if isinstance(msg, Failed) else repr(msg)
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
         return msg
