@@ -27,10 +27,9 @@ decodes greedily unless `--temperature` is set (with `--top-p`, nucleus sampling
 always decodes greedily).
 
 `--tensor-parallel-size N` measures expresslane at size 1 and then at size N, in that order
-(rank 0 pins the process to its cores while its group lives, so the two do not alternate), on
-`SMOLLM2_SPLIT` (SmolLM2-135M's weight shapes with heads that split) unless `--model` names
-another; each reports its own batch-1 median over `--rounds`. With `EXPRESSLANE_TP_PIN=0`
-(ranks unpinned) the two alternate in the batch-1 rounds instead, and their ratio is reported.
+(rank 0 takes its share of the cores and threads while its group lives, so the two cannot
+alternate), on `SMOLLM2_SPLIT` (SmolLM2-135M's weight shapes with heads that split) unless
+`--model` names another; each reports its own batch-1 median over `--rounds`.
 """
 
 from __future__ import annotations
@@ -166,17 +165,9 @@ def bench_hf(
     return out, batch1
 
 
-def bench_tensor_parallel(path, batches, prefill, args, samplers: dict) -> tuple[dict, list]:
-    """expresslane at `--tensor-parallel-size`: its figures, and what to call once the batch-1
-    rounds are done. Pinned ranks (the default) run their rounds at once and close (rank 0's
-    pinning would slow size 1); unpinned (EXPRESSLANE_TP_PIN=0) they join the alternation."""
-    from expresslane.engine.parallel import affinity
-
-    tp = args.tensor_parallel_size
-    out, batch1, close = bench_expresslane(path, batches, prefill, args, tp)
-    if not affinity.enabled():
-        samplers[f"expresslane_tp{tp}"] = batch1
-        return out, [close]
+def bench_tensor_parallel(path, batches, prefill, args) -> dict:
+    """expresslane at `--tensor-parallel-size`, its batch-1 rounds run before it closes."""
+    out, batch1, close = bench_expresslane(path, batches, prefill, args, args.tensor_parallel_size)
     try:
         if 1 in batches:
             rounds = [batch1() for _ in range(args.rounds)]
@@ -184,7 +175,7 @@ def bench_tensor_parallel(path, batches, prefill, args, samplers: dict) -> tuple
             out[1]["decode_tok_s"] = statistics.median(rounds)
     finally:
         close()
-    return out, []
+    return out
 
 
 HF_NAMES = {"bfloat16": "hf_bf16", "float32": "hf_fp32"}
@@ -220,11 +211,8 @@ def main() -> None:
     results = {"machine": machine(), "model": str(path), "prompt": PROMPT, "new_tokens": NEW}
     results["expresslane"], sampler, _ = bench_expresslane(path, batches, prefill, args)
     samplers = {"expresslane": sampler}
-    closers: list = []
     if tp > 1:
-        results[f"expresslane_tp{tp}"], closers = bench_tensor_parallel(
-            path, batches, prefill, args, samplers
-        )
+        results[f"expresslane_tp{tp}"] = bench_tensor_parallel(path, batches, prefill, args)
     if not args.skip_hf:
         for dtype in args.hf_dtypes.split(","):
             name = HF_NAMES[dtype]
@@ -241,14 +229,6 @@ def main() -> None:
                 ratios = [r["expresslane"] / r[name] for r in rounds]
                 results[f"ratio_vs_{name}"] = statistics.median(ratios)
                 print(f"batch-1 decode ratio vs {name} per round: {[round(x, 2) for x in ratios]}")
-        parallel = f"expresslane_tp{tp}"
-        if parallel in samplers:  # alternated with size 1 (unpinned)
-            ratios = [r[parallel] / r["expresslane"] for r in rounds]
-            results[f"ratio_tp{tp}_vs_1"] = statistics.median(ratios)
-            per_round = [round(x, 2) for x in ratios]
-            print(f"batch-1 decode, size {tp} over size 1 per round: {per_round}")
-    for close in closers:
-        close()
     print(f"machine: {results['machine']}")
     shapes = [f"prefill {b}x{n}" for b, n in prefill]
     print(

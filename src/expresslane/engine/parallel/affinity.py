@@ -33,11 +33,13 @@ def _threads() -> list[int]:
     return [int(p.name) for p in Path("/proc/self/task").iterdir()]
 
 
-def pin_process(cores: list[int]) -> tuple[set[int], int]:
-    """Every thread of this process on `cores`, and as many torch threads; returns what to
-    give `unpin` to undo it."""
+def take_cores(cores: list[int]) -> tuple[set[int], int]:
+    """As many torch threads as `cores`, and every thread of this process on them (unless
+    `enabled()` says not: the threads are still counted, as ranks sharing cores beyond them
+    would spin against each other); returns what to give `unpin` to undo it."""
     before = os.sched_getaffinity(0), torch.get_num_threads()
-    _set_all(set(cores))
+    if enabled():
+        _set_all(set(cores))
     torch.set_num_threads(len(cores))
     return before
 

@@ -54,8 +54,7 @@ class TensorParallelGroup:
         try:
             store = host_store(size)
             self._spawn(config, max_len, store.port)
-            if affinity.enabled():
-                self._pinned = affinity.pin_process(affinity.rank_cores(0, size))
+            self._pinned = affinity.take_cores(affinity.rank_cores(0, size))
             for rank in range(1, size):
                 self._expect(rank, str)
             self.comm = Collectives(store, 0, size, config.torch_device())

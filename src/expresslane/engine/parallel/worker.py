@@ -39,8 +39,7 @@ class WorkerSpec:
 def run(spec: WorkerSpec, conn) -> None:
     """The worker process's main: `conn` is its end of the pipe to rank 0."""
     logging.basicConfig(format=f"tp rank {spec.rank}: %(levelname)s %(message)s")
-    if affinity.enabled():
-        affinity.pin_process(spec.cores)
+    affinity.take_cores(spec.cores)
     try:
         conn.send(STARTED)
         model = _load(spec)
