@@ -108,7 +108,7 @@ def bench_expresslane(path, batches: list[int], prefill: list[tuple[int, int]], 
     def batch1() -> float:
         return llm.generate(prompts(1), sp)[0].metrics["decode_tokens_per_s"]
 
-    return out, batch1, llm.engine.close
+    return out, batch1, llm.close
 
 
 def bench_hf(

@@ -36,7 +36,7 @@ def generate(path, prompts, params=GREEDY, passes: int = 1, **options):
     try:
         runs = [llm.generate(prompts, params) for _ in range(passes)]
     finally:
-        llm.engine.close()
+        llm.close()
     return [[o.token_ids for o in run] for run in runs], runs[-1]
 
 
@@ -64,7 +64,7 @@ def test_ngram_speculation_at_size_2(llama_dir):
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         stats = llm.engine.speculation.stats
     finally:
-        llm.engine.close()
+        llm.close()
     plain, _ = generate(llama_dir, prompts)
     assert tokens == plain[0]
     assert stats.proposed > 0 and stats.accepted > 0
@@ -81,7 +81,7 @@ def test_draft_speculation_at_size_2():
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.speculation.stats
     finally:
-        llm.engine.close()
+        llm.close()
     plain, _ = generate(None, prompts, params)
     assert tokens == plain[0]
     assert stats.accepted > 0

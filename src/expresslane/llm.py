@@ -77,3 +77,8 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         return [_output(r) for r in reqs]
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (they also stop when this
+        process ends)."""
+        self.engine.close()

@@ -58,7 +58,7 @@ def run(spec: WorkerSpec, conn) -> None:
 def _load(spec: WorkerSpec):
     """Join the group, load this rank's shard (while rank 0 loads its own)."""
     config = spec.config
-    device = config.torch_device()
+    device = rank_device(config.torch_device(), spec.rank)
     comm = Collectives(join_store(spec.port, spec.size), spec.rank, spec.size, device)
     mcfg = ModelConfig.from_dir(config.model_dir)
     dtype, linear_dtype = model_dtypes(config, mcfg.torch_dtype, device)
@@ -68,6 +68,16 @@ def _load(spec: WorkerSpec):
     )
     parallelize(model, comm, shard, mcfg.vocab_size, None)
     return model
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: the CUDA device `rank` places past rank 0's (untested: no
+    machine here has two GPUs); on a CPU every rank's."""
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", (device.index or 0) + rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 @torch.inference_mode()
