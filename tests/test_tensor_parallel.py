@@ -14,6 +14,7 @@ from expresslane.config import EngineConfig
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.parallel.affinity import rank_cores
 from expresslane.errors import InvalidRequestError, ModelLoadError
+from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
 from expresslane.models.shard import Shard
 
@@ -54,6 +55,27 @@ def test_greedy_tokens_at_size_2_are_those_of_size_1(checkpoints, arch):
     one, _ = generate(checkpoints[arch], prompts, **options)
     two, _ = generate(checkpoints[arch], prompts, passes=2, tensor_parallel_size=2, **options)
     assert two == one * 2
+
+
+def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Every position's logits of `prompt`, prefilled in one chunk into a fresh engine."""
+    T = len(prompt)
+    chunk = PrefillChunk(0, T, T, None, T)
+    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[chunk])
+    return engine.model(torch.tensor(prompt), torch.arange(T), meta)
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_logits_at_size_2_are_those_of_size_1(checkpoints, arch):
+    """Float32 sums of other orders (each rank's part of a row, then the all-reduce)."""
+    prompt = random_prompts(1, 80, 81, seed=7)[0]
+    engines = [tp_engine(checkpoints[arch], size) for size in (1, 2)]
+    try:
+        one, two = (prefill_logits(e, prompt) for e in engines)
+    finally:
+        for e in engines:
+            e.close()
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
 def test_ngram_speculation_at_size_2(llama_dir):
@@ -160,8 +182,8 @@ def run_to_end(engine: LLMEngine, prompts) -> list:
     return [last[r.request_id] for r in reqs]
 
 
-def tp_engine(path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+def tp_engine(path, size: int = 2) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=size))
 
 
 def test_a_dead_rank_fails_the_steps_that_follow(llama_dir, caplog):
