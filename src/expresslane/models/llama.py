@@ -133,7 +133,7 @@ class LlamaModel(nn.Module):
         (kernels/linear_choice.py); then the rest, with matrices only if that is oneDNN."""
         first = self.layers[0].linears()
         for m in first:
-            m.prepare_cpu(compute_dtype, keep_matrix=True)
+            m.prepare_cpu(compute_dtype, keep_matrix=self.allow_stack)  # for the stack only
         self.prompt_linears = _choose_prompt_linears(first)
         keep = self.prompt_linears.matrix_rows is not None
         for m in first:
