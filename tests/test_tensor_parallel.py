@@ -18,7 +18,7 @@ from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
 from expresslane.models.shard import Shard
 
-from .conftest import ARCH_CONFIGS, random_prompts
+from .conftest import ARCH_CONFIGS, make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -76,6 +76,15 @@ def test_logits_at_size_2_are_those_of_size_1(checkpoints, arch):
         for e in engines:
             e.close()
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_at_size_2(tmp_path):
+    """Sliding-window layers with their own RoPE, sandwich norms, scaled embeddings."""
+    path = make_checkpoint(tmp_path, "gemma3")
+    prompts = mixed_prompts(seed=3)[:4]
+    one, _ = generate(path, prompts)
+    two, _ = generate(path, prompts, tensor_parallel_size=2)
+    assert two == one
 
 
 def test_ngram_speculation_at_size_2(llama_dir):
