@@ -78,9 +78,11 @@ def test_logits_at_size_2_are_those_of_size_1(checkpoints, arch):
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
-def test_gemma3_at_size_2(tmp_path):
-    """Sliding-window layers with their own RoPE, sandwich norms, scaled embeddings."""
-    path = make_checkpoint(tmp_path, "gemma3")
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe", "mixtral"])
+def test_gemma3_and_mixtures_of_experts_at_size_2(tmp_path, arch):
+    """Gemma 3: sliding-window layers with their own RoPE, sandwich norms, scaled
+    embeddings. Mixtures of experts: every expert's columns split, the router whole."""
+    path = make_checkpoint(tmp_path, arch)
     prompts = mixed_prompts(seed=3)[:4]
     one, _ = generate(path, prompts)
     two, _ = generate(path, prompts, tensor_parallel_size=2)

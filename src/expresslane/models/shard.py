@@ -15,6 +15,17 @@ from expresslane.models.config import ModelConfig
 from expresslane.quant.linear import Fp4Weight
 
 ROW_ALIGN = 16  # vocabulary rows per rank rounded to this: the packed kernels take 16-row blocks
+# The architectures whose every weight `Shard` knows how to split (a new one is refused until
+# its layers are checked: its weights may hold parts this file does not split)
+SPLIT_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 
 def _splittable(w) -> None:
@@ -69,21 +80,26 @@ class Shard:
     def check(self, cfg: ModelConfig) -> None:
         """Raise ModelLoadError where this model does not split over `size` ranks."""
         n, h, kv = self.size, cfg.num_heads, cfg.num_kv_heads
-        if cfg.moe is not None:
-            raise ModelLoadError("tensor parallelism does not split mixture-of-experts models yet")
-        if h % n or (kv % n and n % kv) or cfg.intermediate_size % n:
+        if cfg.architecture not in SPLIT_ARCHITECTURES:
+            raise ModelLoadError(f"tensor parallelism does not split {cfg.architecture} yet")
+        columns = [cfg.intermediate_size, *([cfg.moe.intermediate_size] if cfg.moe else [])]
+        if h % n or (kv % n and n % kv) or any(c % n for c in columns):
             raise ModelLoadError(
                 f"tensor_parallel_size {n} does not divide this model: {h} attention heads, "
-                f"{kv} KV heads (or a multiple of them), {cfg.intermediate_size} MLP columns"
+                f"{kv} KV heads (or a multiple of them), MLP columns {columns}"
             )
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
         """The model as this rank runs it: its heads, KV heads and MLP columns."""
+        moe = cfg.moe
+        if moe is not None:  # every expert's columns split as a dense MLP's are
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size)
         return dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // self.size,
             num_kv_heads=max(cfg.num_kv_heads // self.size, 1),
             intermediate_size=cfg.intermediate_size // self.size,
+            moe=moe,
         )
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
@@ -105,23 +121,25 @@ class Shard:
         }
         for name, w in weights.items():
             if name.startswith("layers."):
-                out[name] = self._layer_weight(cfg, name.rsplit(".", 1)[1], w)
+                ffn = cfg.moe.intermediate_size if ".experts." in name else cfg.intermediate_size
+                out[name] = self._layer_weight(cfg, name.rsplit(".", 1)[1], w, ffn)
         return out
 
-    def _layer_weight(self, cfg: ModelConfig, kind: str, w):
+    def _layer_weight(self, cfg: ModelConfig, kind: str, w, ffn: int):
+        """Part of a layer's weight of this `kind` (the last part of its name); `ffn`: the
+        columns of the MLP (or expert) it belongs to."""
         if kind in ("qkv", "qkv_bias"):
             return _rows(w, self._qkv_rows(cfg))
         if kind == "o":
             per = cfg.num_heads // self.size * cfg.head_dim
             return _columns(w, self.rank * per, (self.rank + 1) * per)
-        per = cfg.intermediate_size // self.size
+        per = ffn // self.size
         lo, hi = self.rank * per, (self.rank + 1) * per
         if kind == "gate_up":
-            index = torch.cat([torch.arange(lo, hi), cfg.intermediate_size + torch.arange(lo, hi)])
-            return _rows(w, index)
+            return _rows(w, torch.cat([torch.arange(lo, hi), ffn + torch.arange(lo, hi)]))
         if kind == "down":
             return _columns(w, lo, hi)
-        return w  # norms: every rank has them whole
+        return w  # norms, a router: every rank has them whole
 
     def _qkv_rows(self, cfg: ModelConfig) -> torch.Tensor:
         """Rows of the fused q, k, v projection: this rank's q heads and KV heads."""

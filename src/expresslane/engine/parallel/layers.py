@@ -3,7 +3,8 @@ own forward pass runs unchanged on every rank (as vLLM's parallel linears do in 
 
 - vocabulary-parallel embedding: token ids outside the rank's part look up its zero row (the
   last), and the first layer's input is all-reduced;
-- row-parallel output projections (attention `o`, MLP `down`): their partial sums all-reduced;
+- row-parallel output projections (attention `o`, MLP `down`, or the whole mixture of
+  experts, each expert split as an MLP is): their partial sums all-reduced;
 - vocabulary-parallel head: each rank's logits gathered to rank 0, cut to the vocabulary.
 
 The C++ layer stack has no all-reduce: a tensor-parallel model runs the Python layers."""
@@ -47,5 +48,5 @@ def parallelize(
     model.layers[0].register_forward_pre_hook(reduce_input)
     for layer in model.layers:
         layer.o.register_forward_hook(reduce_output)
-        layer.down.register_forward_hook(reduce_output)
+        (layer.down if layer.moe is None else layer.moe).register_forward_hook(reduce_output)
     model.lm_head.register_forward_hook(gather_logits)
