@@ -62,7 +62,7 @@ class TensorParallelGroup:
             self.close()
             raise
         self.comm.on_error = self._collective_failed
-        self._store = store
+        self._store: object | None = store
 
     def _spawn(self, config: EngineConfig, max_len: int, port: int) -> None:
         context = multiprocessing.get_context("spawn")
@@ -165,8 +165,10 @@ class TensorParallelGroup:
         return msg
 
     def close(self) -> None:
-        """Stop the workers (idempotent) and give rank 0 its cores back."""
+        """Stop the workers (idempotent), free the rendezvous port, give rank 0 its cores
+        back."""
         self._stop_workers(kill=False)
+        self._store = None
         if self._pinned is not None:
             affinity.unpin(self._pinned)
             self._pinned = None
