@@ -29,6 +29,8 @@ from expresslane.server.lifecycle import DrainGate, Lifecycle, interrupt_all, re
 from expresslane.server.metering import Prices
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.pages import cors_options, install_pages
+from expresslane.server.reasoning import ReasoningParser
+from expresslane.server.reasoning_parsers import detect_reasoning_parser, get_reasoning_parser
 from expresslane.server.request_log import RequestLog
 from expresslane.server.settings import ServerSettings
 from expresslane.server.state import ServerState, get_state
@@ -102,7 +104,15 @@ def _server_state(engine: ServingEngine, settings: ServerSettings) -> ServerStat
         model_name=name,
         tool_parser=_tool_parser(settings, engine.tokenizer),
         model_aliases=aliases,
+        reasoning_parser=_reasoning_parser(settings, engine.tokenizer),
     )
+
+
+def _reasoning_parser(settings: ServerSettings, tokenizer) -> ReasoningParser:
+    if settings.reasoning_parser == "auto":
+        template = getattr(tokenizer, "chat_template_source", None)
+        return detect_reasoning_parser(template, tokenizer)
+    return get_reasoning_parser(settings.reasoning_parser)
 
 
 def _tool_parser(settings: ServerSettings, tokenizer):

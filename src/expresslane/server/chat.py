@@ -22,10 +22,15 @@ from expresslane.server.generation import (
 )
 from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
+from expresslane.server.reasoning import Split
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response
 from expresslane.server.state import ServerState, get_state
-from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
+from expresslane.server.tool_choice import (
+    ToolSetup,
+    output_schema,
+    tool_setup,
+)
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -45,6 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             state.tokenizer,
             bool(body.logprobs),
             body.parallel_tool_calls is not False,
+            state.reasoning_parser,
         )
         for i in range(len(gens))
     ]
@@ -95,10 +101,11 @@ async def _build(admission: Admission, body: ChatCompletionRequest) -> Built:
     setup = _setup(state, body, tools)
     template = template_tools(tools) if setup.parser else None
     prompt = await off_loop(
-        lambda: render(state.tokenizer, messages, template, param="messages"), admission.chars
+        lambda: render(state.tokenizer, messages, template, "messages", body.reasoning_effort),
+        admission.chars,
     )
     skip = body.skip_special_tokens
-    if skip is None and setup.parser is not None and setup.parser.needs_special_tokens:
+    if skip is None and setup.keep_special_tokens:
         skip = False
     params = [
         make_params(
@@ -136,6 +143,7 @@ async def _plain(request: Request, gens, choices: list[Choice], base: dict) -> R
         message = {
             "role": "assistant",
             "content": c.text if c.text or not c.calls else None,
+            **({"reasoning_content": c.reasoning} if c.reasoning else {}),
             "refusal": None,
             "annotations": [],
         }
@@ -187,14 +195,12 @@ async def _stream(gens, choices: list[Choice], base: dict, include_usage: bool):
         async for i, out in merged(gens):
             check_finished(out)
             c = choices[i]
-            text = c.add(out)
-            if text:
-                yield chunk(i, {"content": text}, logprobs=c.take_logprobs())
+            for delta in _deltas(c.add(out)):
+                yield chunk(i, delta, logprobs=c.take_logprobs())
             if not out.finished:
                 continue
-            tail = c.finish()
-            if tail:
-                yield chunk(i, {"content": tail}, logprobs=c.take_logprobs())
+            for delta in _deltas(c.finish()):
+                yield chunk(i, delta, logprobs=c.take_logprobs())
             for k, call in enumerate(c.calls):
                 yield chunk(
                     i,
@@ -222,3 +228,9 @@ async def _stream(gens, choices: list[Choice], base: dict, include_usage: bool):
     if include_usage:
         yield event(None, {**base, "choices": [], "usage": chat_usage(choices)})
     yield DONE
+
+
+def _deltas(split: Split) -> list[dict]:
+    """A choice's new reasoning and text as chunk deltas (vLLM's `reasoning_content`)."""
+    out = [{"reasoning_content": split.reasoning}] if split.reasoning else []
+    return out + ([{"content": split.content}] if split.content else [])

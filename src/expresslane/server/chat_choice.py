@@ -1,11 +1,13 @@
-"""One chat completion choice as its outputs arrive: visible text (tool-call markup held back
-and parsed at the end), tool calls, logprobs; and the usage object for a set of choices."""
+"""One chat completion choice as its outputs arrive: reasoning (split off by the model's
+reasoning parser), visible text (tool-call markup held back and parsed at the end), tool
+calls, logprobs; and the usage object for a set of choices."""
 
 from __future__ import annotations
 
 from expresslane.engine.output import RequestOutput
 from expresslane.server.errors import generation_error
 from expresslane.server.logprobs import chat_logprobs
+from expresslane.server.reasoning import ReasoningParser, Split
 from expresslane.server.tool_parsers import ToolCall, ToolParser
 
 
@@ -20,8 +22,11 @@ class Choice:
         tokenizer,
         logprobs: bool,
         parallel: bool,
+        reasoning: ReasoningParser,
     ):
         self.index = index
+        self.splitter = reasoning.streamer()
+        self.reasoning = ""
         self.streamer = parser.streamer(declared) if parser is not None else None
         self.tokenizer = tokenizer
         self.want_logprobs = logprobs
@@ -32,24 +37,31 @@ class Choice:
         self.pending: list[dict] = []
         self.final: RequestOutput | None = None
 
-    def add(self, out: RequestOutput) -> str:
+    def add(self, out: RequestOutput) -> Split:
+        """The reasoning and visible text this output adds."""
         if self.want_logprobs and out.new_logprobs:
             lps = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs)
             self.logprobs += lps
             self.pending += lps
         if out.finished:
             self.final = out
-        text = self.streamer.feed(out.new_text) if self.streamer else out.new_text
-        self.text += text
-        return text
+        return self._take(self.splitter.feed(out.new_text))
 
-    def finish(self) -> str:
-        tail = ""
+    def _take(self, split: Split) -> Split:
+        text = self.streamer.feed(split.content) if self.streamer else split.content
+        self.text += text
+        self.reasoning += split.reasoning
+        return Split(split.reasoning, text)
+
+    def finish(self) -> Split:
+        """The rest of the reasoning and text; the tool calls are parsed."""
+        split = self._take(self.splitter.finish())
         if self.streamer is not None:
             tail, calls = self.streamer.finish()
             self.calls = calls if self.parallel else calls[:1]
-        self.text += tail
-        return tail
+            self.text += tail
+            split.content += tail
+        return split
 
     def take_logprobs(self) -> dict | None:
         if not self.want_logprobs:

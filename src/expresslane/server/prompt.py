@@ -279,7 +279,9 @@ def render(
     messages: list[dict],
     tools: list[dict] | None,
     param: str = "input",
+    effort: str | None = None,
 ) -> str:
+    """`effort` (a request's reasoning effort) reaches the template as `reasoning_effort`."""
     if tokenizer is None:
         raise invalid(
             "This model has no tokenizer, so it cannot render chat messages; use "
@@ -287,8 +289,9 @@ def render(
             param=param,
         )
     try:
+        extra = {"reasoning_effort": effort} if effort is not None else {}
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True
+            messages, tools=tools or None, add_generation_prompt=True, **extra
         )
     except ExpresslaneError as e:
         raise from_engine_error(e, {"messages": param}) from e

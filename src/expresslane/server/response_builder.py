@@ -1,11 +1,13 @@
 """The Responses API response object, and the assembler that turns a generation's text
 deltas into output items and the documented stream events, in order:
 
-created, in_progress, [output_item.added, content_part.added, output_text.delta..., output_text
-.done, content_part.done, output_item.done], [function_call: output_item.added,
-function_call_arguments.delta, .done, output_item.done]..., then exactly one of completed /
-incomplete / failed. Output and content indices are dense from 0. A non-streamed response runs
-the same assembler and ignores the events, so it always equals the streamed final response.
+created, in_progress, [reasoning: output_item.added, content_part.added, reasoning_text.delta...,
+reasoning_text.done, content_part.done, output_item.done], [output_item.added,
+content_part.added, output_text.delta..., output_text.done, content_part.done,
+output_item.done], [function_call: output_item.added, function_call_arguments.delta, .done,
+output_item.done]..., then exactly one of completed / incomplete / failed. Output and content
+indices are dense from 0. A non-streamed response runs the same assembler and ignores the
+events, so it always equals the streamed final response.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable
 from expresslane.engine.output import RequestOutput
 from expresslane.server.logprobs import chat_logprobs
 from expresslane.server.prompt import new_id
+from expresslane.server.reasoning import ReasoningParser, ReasoningStreamer, Split
+from expresslane.server.reasoning_item import ReasoningItem
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.tool_parsers import ToolCall, ToolCallStreamer
 
@@ -92,8 +96,11 @@ class ResponseAssembler:
         streamer: ToolCallStreamer | None = None,
         with_logprobs: bool = False,
         max_calls: int | None = None,
+        splitter: ReasoningStreamer | None = None,
     ):
         self.r = response
+        self.splitter = splitter or ReasoningParser().streamer()
+        self.reasoning: ReasoningItem | None = None
         self.emit = emit
         self.tokenizer = tokenizer
         self.streamer = streamer
@@ -163,11 +170,28 @@ class ResponseAssembler:
             self.pending_logprobs += chat_logprobs(
                 self.tokenizer, out.new_token_ids, out.new_logprobs
             )
-        delta = out.new_text
-        self._text(self.streamer.feed(delta) if self.streamer else delta)
+        self._split(self.splitter.feed(out.new_text))
+
+    def _split(self, split: Split) -> None:
+        if split.reasoning:
+            if self.reasoning is None:
+                self.reasoning = ReasoningItem(self.r["output"], self.emit)
+            self.reasoning.add(split.reasoning)
+        content = self.streamer.feed(split.content) if self.streamer else split.content
+        if content:
+            self._close_reasoning()
+        self._text(content)
+
+    def _close_reasoning(self, status: str = "completed") -> None:
+        if self.reasoning is not None:
+            self.reasoning.close(status)
+            self.reasoning = None
 
     def finish(self, final: RequestOutput | None, error: str | None = None) -> None:
         """Close open items and emit the terminal event (failed when `error` is set)."""
+        self._split(self.splitter.finish())
+        incomplete = error is None and final is not None and final.finish_reason == "length"
+        self._close_reasoning("incomplete" if incomplete else "completed")
         if self.streamer is not None:
             tail, calls = self.streamer.finish()
             self._text(tail)

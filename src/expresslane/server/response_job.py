@@ -36,7 +36,11 @@ from expresslane.server.response_builder import ResponseAssembler, base_response
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
-from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
+from expresslane.server.tool_choice import (
+    ToolSetup,
+    output_schema,
+    tool_setup,
+)
 from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.truncation import fit
 
@@ -316,9 +320,10 @@ async def prepare_request(
     params = _sampling(req, setup, generate)
     rid = new_id("resp")
     template = template_tools(tools) if parser else None
+    effort = (req.reasoning or {}).get("effort")
 
     def attempt(messages: list[dict]) -> PreparedRequest:
-        prompt = render(state.tokenizer, messages, template)
+        prompt = render(state.tokenizer, messages, template, effort=effort)
         return admission.make(prompt, params, rid, add_special_tokens=False)
 
     def render_and_make() -> PreparedRequest:
@@ -333,8 +338,8 @@ async def prepare_request(
 
 def _sampling(req: ResponseCreateRequest, setup, generate: bool):
     skip_special = req.skip_special_tokens
-    if skip_special is None and setup.parser is not None and setup.parser.needs_special_tokens:
-        skip_special = False  # the tool call markers must stay in the text to be parsed
+    if skip_special is None and setup.keep_special_tokens:
+        skip_special = False  # the markers must stay in the text to be parsed
     return make_params(
         "responses",
         req,
@@ -380,7 +385,13 @@ async def create_job(
     event_log = EventLog(extra)
     streamer = p.parser.streamer(p.declared) if p.parser is not None else None
     assembler = ResponseAssembler(
-        response, event_log.emit, state.tokenizer, streamer, _with_logprobs(req), req.max_tool_calls
+        response,
+        event_log.emit,
+        state.tokenizer,
+        streamer,
+        _with_logprobs(req),
+        req.max_tool_calls,
+        state.reasoning_parser.streamer(),
     )
     job = ResponseJob(
         state, response, p.items, p.context, p.new_messages, gen, assembler, event_log, store

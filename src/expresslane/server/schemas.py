@@ -209,7 +209,7 @@ class ChatCompletionRequest(EngineExtras):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)
-    reasoning_effort: str | None = None  # accepted, ignored (the model does not reason)
+    reasoning_effort: str | None = None  # the chat template's `reasoning_effort`
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
 

@@ -59,7 +59,9 @@ class ServerSettings:
     max_queued_per_lane: int | None = None  # waiting beyond max_batch; None: max_batch
     max_in_flight_per_key: int | None = 256  # requests of one key running or waiting
     share_prefix_cache: bool = False  # with API keys, cached prefixes serve all owners
-    tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral
+    tool_parser: str = "auto"  # "auto" (from the chat template), hermes, llama3_json, mistral,
+    # harmony
+    reasoning_parser: str = "auto"  # "auto" (from the chat template), harmony, none
     graceful_shutdown_seconds: float = 30.0  # how long in-flight requests may finish
     background_retention_seconds: float = 600.0  # finished background jobs kept in memory
     background_retention_count: int = 1000  # at most this many of them

@@ -1,4 +1,5 @@
-"""What every route needs: the engine, settings, store, metrics, tool parser, live jobs."""
+"""What every route needs: the engine, settings, store, metrics, tool and reasoning parsers,
+live jobs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from expresslane.server.errors import not_found
 from expresslane.server.keys import ApiKey
 from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
+from expresslane.server.reasoning import ReasoningParser
 from expresslane.server.settings import ServerSettings
 from expresslane.server.store import ResponseStore
 from expresslane.server.tool_parsers import ToolParser
@@ -35,6 +37,7 @@ class ServerState:
     tool_parser: ToolParser
     accounts: Accounts
     model_aliases: set[str] = field(default_factory=set)
+    reasoning_parser: ReasoningParser = field(default_factory=ReasoningParser)
     jobs: dict = field(default_factory=dict)  # response id -> ResponseJob (in flight/recent)
     created: int = field(default_factory=lambda: int(time.time()))
 

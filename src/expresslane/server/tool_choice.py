@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from expresslane.sampling_params import Grammar
 from expresslane.server.errors import invalid
 from expresslane.server.grammars import json_schema, tool_calls
+from expresslane.server.harmony_grammar import harmony_grammar
 from expresslane.server.state import ServerState
 from expresslane.server.tool_parsers import ToolParser
 
@@ -22,6 +23,7 @@ class ToolSetup:
     choice: str | dict  # "none" | "auto" | "required" | {"name": ...}
     parser: ToolParser | None  # None: calls are not parsed (no tools, or "none")
     grammar: Grammar | None
+    keep_special_tokens: bool = False  # a parser reads markers that are special tokens
 
     @property
     def declared(self) -> set[str]:
@@ -69,13 +71,18 @@ def tool_setup(
     chosen: str | dict = {"name": forced} if forced else (choice or "auto")
     parser = state.tool_parser if tools and chosen != "none" else None
     grammar = None
+    if state.reasoning_parser.name == "harmony":
+        grammar = harmony_grammar(tools, chosen, state.grammar_literal, content)
+        return ToolSetup(tools, chosen, parser, grammar, keep_special_tokens=True)
     if tools:
         markup = state.tool_parser.markup
         parallel = parallel and _knows_calls(state)
         grammar = tool_calls(markup, tools, chosen, parallel, state.grammar_literal, content)
     if grammar is None and content is not None:
         grammar = json_schema(content, content_param)
-    return ToolSetup(tools, chosen, parser, grammar)
+    keep = parser is not None and parser.needs_special_tokens
+    keep = keep or state.reasoning_parser.needs_special_tokens
+    return ToolSetup(tools, chosen, parser, grammar, keep)
 
 
 def _knows_calls(state: ServerState) -> bool:

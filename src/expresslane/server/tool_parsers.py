@@ -8,6 +8,9 @@ Each model family writes calls in its own markup; a parser knows one format:
   optionally after `<|python_tag|>`; several calls are separated by `;`.
 - `mistral`: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` or, in newer
   tokenizers, `[TOOL_CALLS]f[ARGS]{...}` repeated.
+- `harmony` (gpt-oss): a message to `functions.f` in the commentary channel, its body the
+  arguments; `harmony.py` passes it on as `<|channel|>commentary to=functions.f
+  <|constrain|>json<|message|>{...}<|call|>`.
 
 Streaming goes through `ToolCallStreamer`: text is passed on as it arrives until the start of
 tool-call markup, which is buffered to the end and parsed then, so markup never leaks into the
@@ -25,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from expresslane.server.grammars import CallMarkup
+from expresslane.server.harmony import CALL_OPEN
 
 
 def new_call_id() -> str:
@@ -164,6 +168,27 @@ class MistralToolParser(ToolParser):
         return calls or None
 
 
+class HarmonyToolParser(ToolParser):
+    name = "harmony"
+    markup = CallMarkup(CALL_OPEN)  # calls have no JSON body: `harmony_grammar.py`
+    start_markers = (CALL_OPEN,)
+    needs_special_tokens = True
+    _block = re.compile(
+        re.escape(CALL_OPEN) + r"([^\s<]+)[^<]*(?:<\|constrain\|>\S*?)?<\|message\|>(.*?)"
+        r"(?:<\|call\|>|\Z)",
+        re.DOTALL,
+    )
+
+    def parse_calls(self, region: str) -> list[ToolCall] | None:
+        calls = []
+        for name, body in self._block.findall(region):
+            call = _make_call({"name": name, "arguments": _loads(body.strip())})
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
 class ToolCallStreamer:
     """Feed text deltas; get back the text that is safe to show now. `finish()` returns the
     rest of the text and the parsed calls."""
@@ -241,6 +266,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "harmony": HarmonyToolParser,
 }
 
 
@@ -254,6 +280,8 @@ def get_tool_parser(name: str) -> ToolParser:
 def detect_tool_parser(chat_template: str | None) -> ToolParser:
     """Pick the parser that matches a chat template's tool-call format (default: hermes)."""
     t = chat_template or ""
+    if "<|channel|>" in t:
+        return HarmonyToolParser()
     if "[TOOL_CALLS]" in t:
         return MistralToolParser()
     if "<tool_call>" not in t and ("<|python_tag|>" in t or "ipython" in t):
