@@ -21,14 +21,13 @@ def harmony_grammar(
     tools: list[dict], choice: str | dict, literal: Literal, content: dict | None
 ) -> Grammar | None:
     """`choice` as in `grammars.tool_calls`; None when nothing needs constraining."""
+    forced = isinstance(choice, dict) or choice == "required"
     if isinstance(choice, dict):
         tools = [t for t in tools if t["name"] == choice["name"]]
     calls = bool(tools) and choice != "none"
     if not calls and content is None and not tools:
         return None
-    answer = {"required": "call"}.get(choice, "final | call") if calls else "final"
-    if isinstance(choice, dict):
-        answer = "call"
+    answer = ("call" if forced else "final | call") if calls else "final"
     text = _json(content) if content is not None else "TEXT"
     rules = [
         "%llguidance {}",

@@ -1,0 +1,165 @@
+"""gpt-oss's harmony format through a real server and the openai SDK: a tiny random gpt-oss
+checkpoint overfit to answer in harmony (`harmony_model.py`), its reasoning out as Chat
+`reasoning_content` and Responses `reasoning` items, its commentary-channel calls as tool
+calls with arguments valid against the tool's schema, every streamed event valid against the
+SDK's types, and the reasoning effort in the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from expresslane.config import EngineConfig
+from expresslane.engine.engine import LLMEngine
+from expresslane.server.app import create_app
+from expresslane.server.settings import ServerSettings
+
+from .conftest import CHAT_WEATHER, WEATHER, RecordingEngine, ServerThread
+from .harmony_model import train_harmony_model
+
+pytest.importorskip("transformers")
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def harmony_engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("harmony")
+    train_harmony_model(out)
+    eng = RecordingEngine(LLMEngine(EngineConfig(model=str(out), dtype="float32")))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def harmony_server(harmony_engine):
+    settings = ServerSettings(store_path=":memory:", served_model_name="gpt-oss")
+    with ServerThread(create_app(harmony_engine, settings)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(harmony_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="test", max_retries=0)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_answers_with_reasoning_content(client):
+    r = client.chat.completions.create(model="gpt-oss", messages=ask("hi"), max_tokens=40)
+    message = r.choices[0].message
+    assert message.reasoning_content == "Greet back."  # an extra field the SDK keeps
+    assert message.content == "Hello there!"
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_chat_returns_the_commentary_call_as_tool_calls(client, choice):
+    r = client.chat.completions.create(
+        model="gpt-oss",
+        messages=ask("Weather in Paris?"),
+        tools=[CHAT_WEATHER],
+        tool_choice=choice,
+        max_tokens=60,
+    )
+    message = r.choices[0].message
+    assert message.reasoning_content == "Look it up."
+    assert message.content is None
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["parameters"])
+    assert arguments == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_streams_reasoning_then_the_call(client):
+    stream = client.chat.completions.create(
+        model="gpt-oss",
+        messages=ask("Weather in Paris?"),
+        tools=[CHAT_WEATHER],
+        max_tokens=60,
+        stream=True,
+    )
+    reasoning, args, finish = "", "", None
+    for chunk in stream:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+        for call in delta.tool_calls or ():
+            args += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == "Look it up."
+    assert json.loads(args) == {"city": "Paris"}
+    assert finish == "tool_calls"
+
+
+def test_responses_returns_reasoning_and_a_function_call(client):
+    r = client.responses.create(
+        model="gpt-oss", input="Weather in Paris?", tools=[WEATHER], max_output_tokens=60
+    )
+    reasoning, call = r.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert [c.text for c in reasoning.content] == ["Look it up."]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    follow = client.responses.create(
+        model="gpt-oss",
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}],
+        tools=[WEATHER],
+        max_output_tokens=60,
+    )
+    assert [o.type for o in follow.output] == ["reasoning", "message"]
+    assert follow.output[0].content[0].text == "It is 18C."
+    assert follow.output_text == "Sunny, 18C."
+
+
+def test_streamed_responses_events_validate_against_the_sdk(harmony_server):
+    body = {
+        "model": "gpt-oss",
+        "input": "Weather in Paris?",
+        "tools": [WEATHER],
+        "max_output_tokens": 60,
+        "stream": True,
+    }
+    with httpx.stream("POST", harmony_server.url + "/v1/responses", json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    events = [EVENTS.validate_python(json.loads(line)) for line in lines]
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "Look it up."
+    n = 4 + len(deltas)  # after created, in_progress, the reasoning item and its part
+    assert kinds[2:4] + kinds[n : n + 4] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",  # the function call
+    ]
+    final = Response.model_validate(events[-1].response.model_dump())
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_reasoning_effort_reaches_the_template(client, harmony_engine):
+    client.chat.completions.create(
+        model="gpt-oss", messages=ask("hi"), max_tokens=1, reasoning_effort="high"
+    )
+    assert "Reasoning: high" in harmony_engine.prompts[-1]
+    client.responses.create(
+        model="gpt-oss", input="hi", max_output_tokens=1, reasoning={"effort": "low"}
+    )
+    assert "Reasoning: low" in harmony_engine.prompts[-1]
