@@ -29,7 +29,9 @@ Channels: analysis, commentary, final.<|end|>
 {% endfor %}{% endif %}<|end|>{% endif %}
 {%- for m in messages %}
 {%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
-{%- elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls -%}
+{%- elif m.role == 'assistant' and m.tool_calls %}
+{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>
+{%- endif %}{% for c in m.tool_calls -%}
 <|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json
 {{- '<|message|>' }}{{ c.function.arguments | tojson }}<|call|>{% endfor %}
 {%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>
@@ -49,11 +51,11 @@ def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def called(args: str = PARIS_ARGS) -> list[dict]:
-    """The assistant's call and its result, as template messages."""
+def called(args) -> list[dict]:
+    """The assistant's reasoning and call, and the call's result, as template messages."""
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
     return [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "thinking": "Look it up.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C"},
     ]
 

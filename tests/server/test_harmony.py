@@ -126,6 +126,42 @@ def test_responses_returns_reasoning_and_a_function_call(client):
     assert follow.output_text == "Sunny, 18C."
 
 
+def test_the_reasoning_before_a_call_is_replayed_to_the_model(client, harmony_engine):
+    """gpt-oss reads the analysis that led to a call when it reads the call's result: from a
+    replayed reasoning item (Responses) or `reasoning_content` (Chat)."""
+    call = {"call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": []}
+    thought["content"] = [{"type": "reasoning_text", "text": "Look it up."}]
+    r = client.responses.create(
+        model="gpt-oss",
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            thought,
+            {"type": "function_call", **call},
+            {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+        ],
+        tools=[WEATHER],
+        max_output_tokens=60,
+    )
+    assert "analysis<|message|>Look it up.<|end|>" in harmony_engine.prompts[-1]
+    assert r.output_text == "Sunny, 18C."
+    fn = {"name": call["name"], "arguments": call["arguments"]}
+    messages = [
+        *ask("Weather in Paris?"),
+        {
+            "role": "assistant",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": fn}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    ]
+    chat = client.chat.completions.create(
+        model="gpt-oss", messages=messages, tools=[CHAT_WEATHER], max_tokens=60
+    )
+    assert chat.choices[0].message.content == "Sunny, 18C."
+    assert chat.choices[0].message.reasoning_content == "It is 18C."
+
+
 def test_streamed_responses_events_validate_against_the_sdk(harmony_server):
     body = {
         "model": "gpt-oss",

@@ -3,7 +3,8 @@
 Template messages are what Hugging Face chat templates expect: `{"role", "content": str}`,
 assistant turns with `tool_calls: [{"id", "type": "function", "function": {"name",
 "arguments": dict}}]`, and `{"role": "tool", "tool_call_id", "name", "content"}` results.
-`developer` becomes `system`. A `function_call` item joins the assistant turn before it, so a
+`developer` becomes `system`; an assistant turn's reasoning is its `thinking` (the name
+gpt-oss's template reads). A `function_call` item joins the assistant turn before it, so a
 replayed conversation renders exactly as the model wrote it and the KV prefix cache hits.
 """
 
@@ -127,13 +128,15 @@ def responses_input(
     items: list[dict] = []
     messages: list[dict] = []
     names = _tool_names(context)  # call_id -> function name, growing as calls are read
+    thinking = ""
     for i, item in enumerate(input):
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{p}' must be an object (an input item).", param=p, code="invalid_type")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "reasoning":
-            continue  # this model does not reason; replayed reasoning items are dropped
+            thinking = _reasoning_text(item)  # the next assistant turn's
+            continue
         read = _INPUT_ITEMS.get(kind)
         if read is None:
             raise invalid(
@@ -143,7 +146,16 @@ def responses_input(
                 code="unsupported_item_type",
             )
         items.append(read(item, p, messages, names))
+        if thinking and messages and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("thinking", thinking)
+        thinking = ""
     return items, messages
+
+
+def _reasoning_text(item: dict) -> str:
+    """A replayed reasoning item's text (its reasoning_text parts; plain text only)."""
+    parts = item.get("content") or []
+    return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
 
 
 def _input_message(item: dict, p: str, messages: list[dict], names: dict) -> dict:
@@ -229,6 +241,9 @@ def chat_messages(raw: list[dict]) -> list[dict]:
             )
         text = content_text(m.get("content"), f"{p}.content", allow_none=role == "assistant")
         msg: dict = {"role": "system" if role == "developer" else role, "content": text}
+        thinking = m.get("reasoning_content") if role == "assistant" else None
+        if isinstance(thinking, str) and thinking:
+            msg["thinking"] = thinking  # where gpt-oss's template reads a turn's reasoning
         if role == "assistant" and m.get("tool_calls"):
             calls = m["tool_calls"]
             if not isinstance(calls, list):
@@ -259,9 +274,11 @@ def chat_messages(raw: list[dict]) -> list[dict]:
     return messages
 
 
-def output_messages(text: str, calls: list[ToolCall]) -> list[dict]:
+def output_messages(text: str, calls: list[ToolCall], reasoning: str = "") -> list[dict]:
     """The assistant turn a response produced, as template messages."""
     msg: dict = {"role": "assistant", "content": text}
+    if reasoning:
+        msg["thinking"] = reasoning
     if calls:
         msg["tool_calls"] = [
             {

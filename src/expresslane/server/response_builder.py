@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from expresslane.engine.output import RequestOutput
 from expresslane.server.logprobs import chat_logprobs
-from expresslane.server.prompt import new_id
+from expresslane.server.prompt import new_id, output_messages
 from expresslane.server.reasoning import ReasoningParser, ReasoningStreamer, Split
 from expresslane.server.reasoning_item import ReasoningItem
 from expresslane.server.schemas import ResponseCreateRequest
@@ -101,6 +101,7 @@ class ResponseAssembler:
         self.r = response
         self.splitter = splitter or ReasoningParser().streamer()
         self.reasoning: ReasoningItem | None = None
+        self.reasoning_text = ""  # all of the output's reasoning
         self.emit = emit
         self.tokenizer = tokenizer
         self.streamer = streamer
@@ -177,10 +178,15 @@ class ResponseAssembler:
             if self.reasoning is None:
                 self.reasoning = ReasoningItem(self.r["output"], self.emit)
             self.reasoning.add(split.reasoning)
+            self.reasoning_text += split.reasoning
         content = self.streamer.feed(split.content) if self.streamer else split.content
         if content:
             self._close_reasoning()
         self._text(content)
+
+    def turn(self, calls: list[ToolCall]) -> list[dict]:
+        """The assistant turn so far as template messages, with `calls`."""
+        return output_messages(self.text, calls, self.reasoning_text)
 
     def _close_reasoning(self, status: str = "completed") -> None:
         if self.reasoning is not None:

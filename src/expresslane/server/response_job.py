@@ -27,7 +27,6 @@ from expresslane.server.keys import ApiKey
 from expresslane.server.limits import off_loop, text_size
 from expresslane.server.prompt import (
     new_id,
-    output_messages,
     render,
     responses_input,
     template_tools,
@@ -152,7 +151,7 @@ class ResponseJob:
             self.full_context = self._conversation(self.assembler.calls)
 
     def _conversation(self, calls: list) -> list[dict]:
-        return self.context + self.new_messages + output_messages(self.assembler.text, calls)
+        return self.context + self.new_messages + self.assembler.turn(calls)
 
     def _stop_interrupted(self) -> None:
         """The server stopped it: incomplete, with its output so far, billed as interrupted."""
