@@ -59,6 +59,7 @@ def test_chat_answers_with_reasoning_content(client):
     assert message.reasoning_content == "Greet back."  # an extra field the SDK keeps
     assert message.content == "Hello there!"
     assert r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
 
 
 @pytest.mark.parametrize(
@@ -112,6 +113,7 @@ def test_responses_returns_reasoning_and_a_function_call(client):
     reasoning, call = r.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert [c.text for c in reasoning.content] == ["Look it up."]
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     follow = client.responses.create(

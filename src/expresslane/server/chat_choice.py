@@ -7,7 +7,7 @@ from __future__ import annotations
 from expresslane.engine.output import RequestOutput
 from expresslane.server.errors import generation_error
 from expresslane.server.logprobs import chat_logprobs
-from expresslane.server.reasoning import ReasoningParser, Split
+from expresslane.server.reasoning import ReasoningParser, Split, reasoning_tokens
 from expresslane.server.tool_parsers import ToolCall, ToolParser
 
 
@@ -95,7 +95,7 @@ def chat_usage(choices: list[Choice]) -> dict:
             "audio_tokens": 0,
         },
         "completion_tokens_details": {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": sum(reasoning_tokens(c.tokenizer, c.reasoning) for c in choices),
             "audio_tokens": 0,
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0,

@@ -50,3 +50,10 @@ class _ContentOnly:
 
     def finish(self) -> Split:
         return Split()
+
+
+def reasoning_tokens(tokenizer, text: str) -> int:
+    """How many output tokens the reasoning took (its text re-encoded), for the usage."""
+    if not text or tokenizer is None:
+        return 0
+    return len(tokenizer.encode(text, False))

@@ -18,7 +18,12 @@ from collections.abc import Callable
 from expresslane.engine.output import RequestOutput
 from expresslane.server.logprobs import chat_logprobs
 from expresslane.server.prompt import new_id, output_messages
-from expresslane.server.reasoning import ReasoningParser, ReasoningStreamer, Split
+from expresslane.server.reasoning import (
+    ReasoningParser,
+    ReasoningStreamer,
+    Split,
+    reasoning_tokens,
+)
 from expresslane.server.reasoning_item import ReasoningItem
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.tool_parsers import ToolCall, ToolCallStreamer
@@ -236,6 +241,8 @@ class ResponseAssembler:
         for call in self.calls:
             self._emit_call(call, item_status)
         self.r["usage"] = usage(final)
+        spent = reasoning_tokens(self.tokenizer, self.reasoning_text)
+        self.r["usage"]["output_tokens_details"]["reasoning_tokens"] = spent
         self.r["completed_at"] = int(time.time())
         if error is not None:
             self.r["status"] = "failed"
