@@ -90,11 +90,8 @@ class HarmonyStreamer:
             self.buffer = self.buffer[skip:]
             self.in_body = False
             return self._emit(text) + self._close()
-        keep = _partial_marker(self.buffer)
-        text, self.buffer = (
-            self.buffer[: len(self.buffer) - keep],
-            self.buffer[-keep:] if keep else "",
-        )
+        cut = len(self.buffer) - _partial_marker(self.buffer)
+        text, self.buffer = self.buffer[:cut], self.buffer[cut:]
         return self._emit(text) if text else None
 
     def _emit(self, text: str) -> Split:

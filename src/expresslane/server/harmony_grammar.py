@@ -18,9 +18,14 @@ FINAL = f"<|channel|>final{MESSAGE}"
 
 
 def harmony_grammar(
-    tools: list[dict], choice: str | dict, literal: Literal, content: dict | None
+    tools: list[dict],
+    choice: str | dict,
+    literal: Literal,
+    content: dict | None,
+    content_param: str = "response_format",
 ) -> Grammar | None:
-    """`choice` as in `grammars.tool_calls`; None when nothing needs constraining."""
+    """`choice` as in `grammars.tool_calls`; None when nothing needs constraining. Errors in
+    the output format's schema name `content_param`."""
     forced = isinstance(choice, dict) or choice == "required"
     if isinstance(choice, dict):
         tools = [t for t in tools if t["name"] == choice["name"]]
@@ -40,7 +45,8 @@ def harmony_grammar(
         names = [f"call_{i}" for i in range(len(tools))]
         rules.append(f"call: {' | '.join(names)}")
         rules += [_call_rule(n, t, literal) for n, t in zip(names, tools, strict=True)]
-    return Grammar("\n".join(rules) + "\n", "tools" if calls else "tool_choice")
+    param = "tools" if calls else (content_param if content is not None else "tool_choice")
+    return Grammar("\n".join(rules) + "\n", param)
 
 
 def _call_rule(rule: str, tool: dict, literal: Literal) -> str:

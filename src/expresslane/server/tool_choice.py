@@ -72,7 +72,7 @@ def tool_setup(
     parser = state.tool_parser if tools and chosen != "none" else None
     grammar = None
     if state.reasoning_parser.name == "harmony":
-        grammar = harmony_grammar(tools, chosen, state.grammar_literal, content)
+        grammar = harmony_grammar(tools, chosen, state.grammar_literal, content, content_param)
         return ToolSetup(tools, chosen, parser, grammar, keep_special_tokens=True)
     if tools:
         markup = state.tool_parser.markup
