@@ -164,20 +164,28 @@ def test_the_reasoning_before_a_call_is_replayed_to_the_model(client, harmony_en
     assert chat.choices[0].message.reasoning_content == "It is 18C."
 
 
-def test_streamed_responses_events_validate_against_the_sdk(harmony_server):
-    body = {
-        "model": "gpt-oss",
-        "input": "Weather in Paris?",
-        "tools": [WEATHER],
-        "max_output_tokens": 60,
-        "stream": True,
-    }
-    with httpx.stream("POST", harmony_server.url + "/v1/responses", json=body, timeout=60) as r:
+def stream_events(server, body: dict) -> list:
+    """A streamed response's events, each validated against the SDK's event types."""
+    body = {"model": "gpt-oss", "max_output_tokens": 60, "stream": True, **body}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     events = [EVENTS.validate_python(json.loads(line)) for line in lines]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("body", "reasoning", "after"),
+    [
+        ({"input": "Weather in Paris?", "tools": [WEATHER]}, "Look it up.", "function_call"),
+        ({"input": "hi"}, "Greet back.", "message"),
+    ],
+)
+def test_streamed_responses_events_validate_against_the_sdk(harmony_server, body, reasoning, after):
+    events = stream_events(harmony_server, body)
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
-    assert "".join(deltas) == "Look it up."
+    assert "".join(deltas) == reasoning
     n = 4 + len(deltas)  # after created, in_progress, the reasoning item and its part
     assert kinds[2:4] + kinds[n : n + 4] == [
         "response.output_item.added",
@@ -185,11 +193,12 @@ def test_streamed_responses_events_validate_against_the_sdk(harmony_server):
         "response.reasoning_text.done",
         "response.content_part.done",
         "response.output_item.done",
-        "response.output_item.added",  # the function call
+        "response.output_item.added",  # the message or the function call
     ]
     final = Response.model_validate(events[-1].response.model_dump())
-    assert [o.type for o in final.output] == ["reasoning", "function_call"]
-    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.status == "completed"
+    assert [o.type for o in final.output] == ["reasoning", after]
+    assert final.output[0].content[0].text == reasoning
 
 
 def test_reasoning_effort_reaches_the_template(client, harmony_engine):
@@ -201,3 +210,20 @@ def test_reasoning_effort_reaches_the_template(client, harmony_engine):
         model="gpt-oss", input="hi", max_output_tokens=1, reasoning={"effort": "low"}
     )
     assert "Reasoning: low" in harmony_engine.prompts[-1]
+
+
+def test_chat_streams_the_reasoning_before_the_answer(client):
+    stream = client.chat.completions.create(
+        model="gpt-oss", messages=ask("hi"), max_tokens=40, stream=True
+    )
+    order = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        if getattr(delta, "reasoning_content", None):
+            order.append(("reasoning", delta.reasoning_content))
+        if delta.content:
+            order.append(("content", delta.content))
+    kinds = [k for k, _ in order]
+    assert kinds == sorted(kinds, reverse=True)  # every reasoning delta first
+    assert "".join(t for k, t in order if k == "reasoning") == "Greet back."
+    assert "".join(t for k, t in order if k == "content") == "Hello there!"
