@@ -227,3 +227,9 @@ def test_chat_streams_the_reasoning_before_the_answer(client):
     assert kinds == sorted(kinds, reverse=True)  # every reasoning delta first
     assert "".join(t for k, t in order if k == "reasoning") == "Greet back."
     assert "".join(t for k, t in order if k == "content") == "Hello there!"
+
+
+def test_a_reasoning_effort_that_is_not_a_string_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="gpt-oss", input="hi", reasoning={"effort": 3})
+    assert e.value.body["param"] == "reasoning.effort"

@@ -26,11 +26,7 @@ from expresslane.server.reasoning import Split
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
 from expresslane.server.sse import DONE, event, sse_response
 from expresslane.server.state import ServerState, get_state
-from expresslane.server.tool_choice import (
-    ToolSetup,
-    output_schema,
-    tool_setup,
-)
+from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
 router = APIRouter(route_class=StrictJSONRoute)
 

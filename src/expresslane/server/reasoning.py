@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from expresslane.server.errors import invalid
+
 
 @dataclass
 class Split:
@@ -57,3 +59,11 @@ def reasoning_tokens(tokenizer, text: str) -> int:
     if not text or tokenizer is None:
         return 0
     return len(tokenizer.encode(text, False))
+
+
+def requested_effort(reasoning: dict | None) -> str | None:
+    """A Responses request's `reasoning.effort`, for the chat template."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise invalid("'reasoning.effort' must be a string.", param="reasoning.effort")
+    return effort

@@ -31,15 +31,12 @@ from expresslane.server.prompt import (
     responses_input,
     template_tools,
 )
+from expresslane.server.reasoning import requested_effort
 from expresslane.server.response_builder import ResponseAssembler, base_response, usage
 from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
-from expresslane.server.tool_choice import (
-    ToolSetup,
-    output_schema,
-    tool_setup,
-)
+from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.truncation import fit
 
@@ -319,7 +316,7 @@ async def prepare_request(
     params = _sampling(req, setup, generate)
     rid = new_id("resp")
     template = template_tools(tools) if parser else None
-    effort = (req.reasoning or {}).get("effort")
+    effort = requested_effort(req.reasoning)
 
     def attempt(messages: list[dict]) -> PreparedRequest:
         prompt = render(state.tokenizer, messages, template, effort=effort)
