@@ -84,26 +84,25 @@ def test_chat_returns_the_commentary_call_as_tool_calls(client, choice):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_chat_streams_reasoning_then_the_call(client):
-    stream = client.chat.completions.create(
-        model="gpt-oss",
-        messages=ask("Weather in Paris?"),
-        tools=[CHAT_WEATHER],
-        max_tokens=60,
-        stream=True,
-    )
-    reasoning, args, finish = "", "", None
-    for chunk in stream:
-        ChatCompletionChunk.model_validate(chunk.model_dump())
-        delta = chunk.choices[0].delta
-        reasoning += getattr(delta, "reasoning_content", None) or ""
-        assert not delta.content
-        for call in delta.tool_calls or ():
-            args += call.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert reasoning == "Look it up."
-    assert json.loads(args) == {"city": "Paris"}
-    assert finish == "tool_calls"
+def test_chat_streams_reasoning_then_the_call(harmony_server):
+    body = {
+        "model": "gpt-oss",
+        "messages": ask("Weather in Paris?"),
+        "tools": [CHAT_WEATHER],
+        "max_tokens": 60,
+        "stream": True,
+    }
+    url = harmony_server.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line)) for line in lines]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Look it up."
+    assert not any(d.content for d in deltas)
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_responses_returns_reasoning_and_a_function_call(client):
