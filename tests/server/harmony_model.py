@@ -14,6 +14,7 @@ import torch
 from expresslane.server.prompt import render, template_tools
 from expresslane.tokenizer import Tokenizer
 
+from ..conftest import GPT_OSS_CONFIGS
 from .conftest import DEMO_TOKENIZER, WEATHER
 
 SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"]
@@ -127,7 +128,8 @@ def train_harmony_model(out: Path) -> None:
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=32,
-        max_position_embeddings=1024,
+        max_position_embeddings=512,  # 8x the YaRN rope's original 64
+        rope_parameters=GPT_OSS_CONFIGS["gpt_oss"][2]["rope_parameters"],
         eos_token_id=tok.token_to_id("<|return|>"),
         bos_token_id=None,
         pad_token_id=0,
