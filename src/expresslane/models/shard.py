@@ -1,7 +1,8 @@
 """Tensor parallelism's split of a model: which part of each weight a rank holds. Attention
 heads and MLP columns are split, KV heads split or, when there are fewer than ranks,
 replicated; vocabulary rows split for the embedding and the output head (padded to one size,
-so that logits gather in one call)."""
+so that logits gather in one call). FP4 output projections split by their output rows
+(`gathered`)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,15 @@ def _pad_rows(w, rows: int):
     return torch.cat([w, w.new_zeros(extra, w.shape[1])])
 
 
+def gathered(kind: str, w) -> bool:
+    """Whether an output projection (attention `o`, MLP `down`) is split by its output rows,
+    its input and output gathered, rather than by its input columns with its partial sums
+    all-reduced: FP4 ones, whose every output is then computed as one process computes it
+    (a sum of partial sums in another order moves the next linear's int8 activation rounding,
+    and with it the tokens at near ties)."""
+    return kind in ("o", "down") and isinstance(w, Fp4Weight)
+
+
 @dataclass(frozen=True)
 class Shard:
     """Rank `rank` of `size`."""
@@ -83,10 +93,11 @@ class Shard:
         if cfg.architecture not in SPLIT_ARCHITECTURES:
             raise ModelLoadError(f"tensor parallelism does not split {cfg.architecture} yet")
         columns = [cfg.intermediate_size, *([cfg.moe.intermediate_size] if cfg.moe else [])]
-        if h % n or (kv % n and n % kv) or any(c % n for c in columns):
+        if h % n or (kv % n and n % kv) or any(c % n for c in [*columns, cfg.hidden_size]):
             raise ModelLoadError(
                 f"tensor_parallel_size {n} does not divide this model: {h} attention heads, "
-                f"{kv} KV heads (or a multiple of them), MLP columns {columns}"
+                f"{kv} KV heads (or a multiple of them), MLP columns {columns}, hidden size "
+                f"{cfg.hidden_size}"
             )
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
@@ -122,8 +133,17 @@ class Shard:
         for name, w in weights.items():
             if name.startswith("layers."):
                 ffn = cfg.moe.intermediate_size if ".experts." in name else cfg.intermediate_size
-                out[name] = self._layer_weight(cfg, name.rsplit(".", 1)[1], w, ffn)
+                kind = name.rsplit(".", 1)[1]
+                if gathered(kind, w) and ".experts." not in name:
+                    out[name] = self._output_rows(w, cfg.hidden_size)
+                else:
+                    out[name] = self._layer_weight(cfg, kind, w, ffn)
         return out
+
+    def _output_rows(self, w, rows: int):
+        """This rank's part of an output projection split by its output rows."""
+        per = rows // self.size
+        return _rows(w, torch.arange(self.rank * per, (self.rank + 1) * per))
 
     def _layer_weight(self, cfg: ModelConfig, kind: str, w, ffn: int):
         """Part of a layer's weight of this `kind` (the last part of its name); `ffn`: the

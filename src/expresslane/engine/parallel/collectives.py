@@ -48,6 +48,13 @@ class Collectives:
         self._wait(self.group.allreduce([t]))
         return t
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` side by side on the last axis, on every rank."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._wait(self.group.allgather([parts], [t]))
+        return torch.cat(parts, dim=-1)
+
     def gather(self, t: torch.Tensor) -> torch.Tensor | None:
         """On rank 0 every rank's `t` side by side on the last axis; None on the others."""
         t = t.contiguous()
