@@ -90,16 +90,18 @@ def test_gemma3_and_mixtures_of_experts_at_size_2(tmp_path, arch):
     assert two == one
 
 
-def test_ngram_speculation_at_size_2(llama_dir):
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_ngram_speculation_at_size_2(checkpoints, arch):
+    path = checkpoints[arch]
     prompts = [p + p[:12] for p in random_prompts(6, 10, 40, seed=21)]
     spec = {"method": "ngram", "num_tokens": 4, "max_batch": None}
-    llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2, speculative=spec)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, speculative=spec)
     try:
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         stats = llm.engine.speculation.stats
     finally:
         llm.close()
-    plain, _ = generate(llama_dir, prompts)
+    plain, _ = generate(path, prompts)
     assert tokens == plain[0]
     assert stats.proposed > 0 and stats.accepted > 0
 
