@@ -161,6 +161,20 @@ def make_checkpoint(root: Path, arch: str, **overrides) -> Path:
     return out
 
 
+def random_biases(path: Path, suffix: str, seed: int = 0) -> Path:
+    """The checkpoint at `path` with its biases named `...suffix` drawn at random
+    (transformers initializes biases to zero, which no path could get wrong)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for name, t in weights.items():
+        if name.endswith(suffix):
+            weights[name] = torch.randn(t.shape, generator=g).to(t.dtype)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def bf16_copy(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The checkpoint at `src` saved again in bf16 (or `dtype`) by `transformers` (the format
     the CPU kernels and the native decode step take)."""

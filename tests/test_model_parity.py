@@ -10,7 +10,7 @@ from expresslane.kernels import cpu_kernels
 from expresslane.models import load_model
 from expresslane.models.attention import AttentionMetadata, PrefillChunk
 
-from .conftest import ARCH_CONFIGS, bf16_copy, random_prompts
+from .conftest import ARCH_CONFIGS, bf16_copy, make_checkpoint, random_biases, random_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,3 +88,19 @@ def test_bf16_checkpoint_auto_dtype_matches_float32(tmp_path, checkpoints, arch)
         assert auto.engine.model.layer_stack is not None
     got = auto.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in fp32.generate(prompts, params)]
+
+
+def test_an_output_projection_bias_keeps_the_python_layers(tmp_path):
+    """Llama's `attention_bias` gives o_proj a bias, which the C++ layer stack does not add:
+    the stack is declined, and the bf16 model's tokens are float32 compute's."""
+    path = random_biases(make_checkpoint(tmp_path, "llama", attention_bias=True), ".bias")
+    bf16_copy(path, tmp_path / "bf16")
+    prompts = random_prompts(4, 5, 40, seed=12)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    auto = LLM(str(tmp_path / "bf16"))
+    fp32 = LLM(str(tmp_path / "bf16"), dtype="float32")
+    assert auto.engine.model.layer_stack is None
+    got = auto.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fp32.generate(prompts, params)]
+    _, _, ours, ref = prefill_logits(path, 60)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)

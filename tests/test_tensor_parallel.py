@@ -18,7 +18,7 @@ from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
 from expresslane.models.shard import Shard
 
-from .conftest import ARCH_CONFIGS, make_checkpoint, random_prompts
+from .conftest import ARCH_CONFIGS, make_checkpoint, random_biases, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -77,6 +77,18 @@ def test_logits_at_size_2_are_those_of_size_1(checkpoints, arch):
         for e in engines:
             e.close()
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_an_output_projection_bias_is_added_once(tmp_path, quantization, monkeypatch):
+    """Llama with `attention_bias`: o_proj's bias on rank 0 alone under the all-reduce, split
+    by rows where FP4 gathers the projection."""
+    monkeypatch.setenv("EXPRESSLANE_PROMPT_LINEARS", "rows")
+    path = random_biases(make_checkpoint(tmp_path, "llama", attention_bias=True), "o_proj.bias")
+    prompts = mixed_prompts(seed=4)[:4]
+    one, _ = generate(path, prompts, quantization=quantization)
+    two, _ = generate(path, prompts, quantization=quantization, tensor_parallel_size=2)
+    assert two == one
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3moe", "mixtral"])

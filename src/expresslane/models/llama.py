@@ -274,6 +274,8 @@ def build_layer_stack(model: LlamaModel):
         return None
     if cfg.moe is not None or cfg.sandwich_norms or cfg.layer_windows or cfg.query_scale != 1:
         return None  # the stack runs the Llama block only: dense, whole context, silu
+    if any(layer.o.bias is not None for layer in layers):
+        return None  # nor an output projection's bias (Llama's `attention_bias`)
     if not linears or any(m.path not in STACK_PATHS for m in linears):
         return None
     caches = [layer.attn.kv.native() for layer in layers]

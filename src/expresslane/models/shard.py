@@ -136,9 +136,18 @@ class Shard:
                 kind = name.rsplit(".", 1)[1]
                 if gathered(kind, w) and ".experts." not in name:
                     out[name] = self._output_rows(w, cfg.hidden_size)
+                elif kind == "o_bias":
+                    out[name] = self._o_bias(cfg, w, weights[name[: -len("_bias")]])
                 else:
                     out[name] = self._layer_weight(cfg, kind, w, ffn)
         return out
+
+    def _o_bias(self, cfg: ModelConfig, bias: torch.Tensor, weight) -> torch.Tensor:
+        """The output projection's bias: its rows where the projection is split by rows;
+        else rank 0's alone (the ranks' partial sums are all-reduced: added once)."""
+        if gathered("o", weight):
+            return self._output_rows(bias, cfg.hidden_size)
+        return bias if self.rank == 0 else torch.zeros_like(bias)
 
     def _output_rows(self, w, rows: int):
         """This rank's part of an output projection split by its output rows."""
