@@ -23,6 +23,7 @@ from expresslane.engine.speculation.component import Speculation
 from expresslane.engine.speculation.payoff import StepGuesses
 from expresslane.engine.step_model import StepLatencyModel
 from expresslane.engine.submission import Submission
+from expresslane.engine.window_blocks import window_pool
 from expresslane.errors import InvalidRequestError
 from expresslane.lanes import LaneCounts, build_lanes
 from expresslane.models import load_model
@@ -51,10 +52,14 @@ class LLMEngine:
         self.kv_store, self.kv_bytes_per_token = kv.store, kv.bytes_per_token
         num_blocks, max_len = kv.num_blocks, kv.max_model_len
         self.max_model_len = self.factory.max_model_len = max_len
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        cache = CacheConfig(num_blocks, config.block_size, self.kv_store)
+        window = window_pool(kv, mcfg, config.block_size)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, window
+        )
+        cache = CacheConfig(num_blocks, config.block_size, self.kv_store, kv.window_blocks)
         graphs = config.max_batch if config.cuda_graphs else None
         self.runner = ModelRunner(self.model, cache, config.seed, config.batch_invariant, graphs)
+        self.runner.window_map = None if window is None else window.remap
         if self.parallel is not None:
             self.parallel.bind(self.model, cache, mcfg.vocab_size)
         log.info("execution plan: %s", self.model.plan.describe())
@@ -222,6 +227,7 @@ class LLMEngine:
         for req, _ in run.items:
             if req.finish_reason != "error":  # a request that failed may hold partial KV
                 self.kv.cache_full_blocks(req)  # finished ones too: a next turn may reuse them
+            self.kv.slide(req)
             if req.is_finished:
                 self._remove(req)
                 self.requests.pop(req.request_id, None)

@@ -5,6 +5,10 @@ prefix cache keyed by a hash chain over full blocks. A request's chain starts fr
 A block whose reference count drops to zero goes back to the free queue but keeps its
 contents and hash, so a later request with the same prefix can revive it. Free blocks are
 reused least-recently-freed first; when one is reused its hash is forgotten (eviction).
+
+With sliding-window layers in their own pool (`window`, engine/window_blocks.py) a block id
+is logical: allocating one takes a window block too, and the window's blocks are given back
+as the request moves on (`slide`), whatever the logical block's fate.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from expresslane.engine.request import Request
+from expresslane.engine.window_blocks import WindowBlocks
 
 
 class Block:
@@ -29,8 +34,15 @@ def chain_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: WindowBlocks | None = None,
+    ):
         self.block_size = block_size
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -86,11 +98,15 @@ class KVCacheManager:
             if block.tokens != tuple(req.token_ids[i * bs : (i + 1) * bs]):
                 break  # a hash collision: treat as a miss
             hits.append(block)
+        if self.window is not None:
+            del hits[self.window.usable_hits([b.id for b in hits]) :]
         for block in hits:
             if block.ref_count == 0:
                 del self.free[block.id]
             block.ref_count += 1
             req.block_ids.append(block.id)
+        if self.window is not None:
+            self.window.take_prefix(req)
         return len(hits) * bs
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -127,18 +143,30 @@ class KVCacheManager:
             block.hash = block.tokens = None
         self.free = OrderedDict((i, None) for i in range(len(self.blocks)))
         self.cached = {}
+        if self.window is not None:
+            self.window.reset()
 
     # -- allocation ---------------------------------------------------------------------
 
     def can_allocate(self, req: Request, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(req.block_ids) <= len(self.free)
+        return self.blocks_needed(num_tokens) - len(req.block_ids) <= self._num_free_both()
+
+    def has_free(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` new blocks fit (in the window pool too, with one)."""
+        return num_blocks <= self._num_free_both()
+
+    def _num_free_both(self) -> int:
+        """Free blocks in the logical pool and, with one, the window pool."""
+        if self.window is None:
+            return len(self.free)
+        return min(len(self.free), self.window.num_free)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow the request's block table to hold `num_tokens` tokens; False if out of blocks."""
         need = self.blocks_needed(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if need > len(self.free):
+        if need > self._num_free_both():
             return False
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
@@ -148,11 +176,15 @@ class KVCacheManager:
                 block.hash = block.tokens = None
             block.ref_count = 1
             req.block_ids.append(block_id)
+            if self.window is not None:
+                self.window.hold(block_id)
         return True
 
     def release(self, req: Request) -> None:
         """Drop the request's references. Blocks with no cached content are reused first;
         cached ones queue up tail before head, so shared prefixes outlive private tails."""
+        if self.window is not None:
+            self.window.release(req)
         for block_id in reversed(req.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -165,6 +197,8 @@ class KVCacheManager:
     def trim(self, req: Request, num_tokens: int) -> None:
         """Shrink the block table to `num_tokens` tokens (rolls back rejected speculation)."""
         keep = self.blocks_needed(num_tokens)
+        if self.window is not None:
+            self.window.trim(req, keep)
         tail = req.block_ids[keep:]
         del req.block_ids[keep:]
         del req.block_hashes[num_tokens // self.block_size :]
@@ -174,3 +208,8 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
                 self.free.move_to_end(block_id, last=False)
+
+    def slide(self, req: Request) -> None:
+        """Give back the window-layer blocks the request's window has passed."""
+        if self.window is not None:
+            self.window.slide(req)

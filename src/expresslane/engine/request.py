@@ -102,6 +102,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
+        self.window_start = 0  # its first block whose window-layer KV it still holds
         self.cache_salt = cache_salt  # the chain's root: only equal salts share cached blocks
         self.spec = SpecState()  # its speculative guesses and their record (speculation/state.py)
         self.metrics = RequestMetrics(arrival=time.perf_counter())

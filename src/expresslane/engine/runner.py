@@ -26,6 +26,7 @@ from expresslane.models.attention import AttentionMetadata, PrefillChunk
 from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import STORES, store_name
 from expresslane.models.llama import LlamaModel
+from expresslane.models.window_kv import WindowKV
 
 log = logging.getLogger("expresslane.engine")
 
@@ -40,25 +41,69 @@ def kv_bytes_per_block(
 @dataclass(frozen=True)
 class KVSizing:
     store: str  # the KV store's name (models/kv_store.py `STORES`)
-    bytes_per_token: int
-    num_blocks: int
+    bytes_per_token: int  # over every layer
+    num_blocks: int  # the (logical) pool: the full-attention layers' blocks
     max_model_len: int  # the context, shrunk to what the blocks hold
+    window_blocks: int = 0  # the sliding-window layers' own pool (0: none, they use the above)
 
 
 def size_kv_cache(
     config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_len: int
 ) -> KVSizing:
     """The KV cache a config asks for a model run in `dtype`: its store, its blocks, and the
-    context length they hold (at most `max_len`)."""
+    context length they hold (at most `max_len`). Sliding-window layers, where they have a
+    pool of their own (`window_layers`), take what the running requests' windows need, at
+    most half the memory; the full layers' blocks take the rest."""
     asked = cfg.torch_dtype if config.dtype == "auto" else config.dtype
     store = store_name(config.kv_cache_dtype, asked, dtype)
-    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, store)
-    num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // per_block)
-    capacity = num_blocks * config.block_size
-    if capacity < max_len:
+    bs = config.block_size
+    per_layer = kv_bytes_per_block(cfg, bs, dtype, store) // cfg.num_layers
+    windowed = len(window_layers(cfg)) if config.tensor_parallel_size == 1 else 0
+    full_block, window_block = (cfg.num_layers - windowed) * per_layer, windowed * per_layer
+    budget = config.kv_cache_memory_gb * 2**30
+    window_blocks = 0
+    if windowed:
+        reach = -(-max(w for w in cfg.layer_windows if w) // bs) + 2
+        window_blocks = config.max_batch * reach + -(-config.max_num_batched_tokens // bs)
+        window_blocks = min(window_blocks, int(budget / 2 // window_block))
+        budget -= window_blocks * window_block
+    num_blocks = config.num_kv_blocks or _full_blocks(budget, full_block, config, max_len)
+    window_blocks = min(window_blocks, num_blocks)
+    if (capacity := num_blocks * bs) < max_len:
         log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
         max_len = capacity
-    return KVSizing(store, per_block // config.block_size, num_blocks, max_len)
+    return KVSizing(store, per_layer * cfg.num_layers // bs, num_blocks, max_len, window_blocks)
+
+
+def _full_blocks(budget: float, per_block: int, config: EngineConfig, max_len: int) -> int:
+    """Blocks of the full-attention layers in `budget` bytes (a model with none: a full
+    context for every sequence of a batch; such blocks cost no memory)."""
+    if per_block:
+        return int(budget // per_block)
+    return config.max_batch * -(-max_len // config.block_size)
+
+
+def window_layers(cfg: ModelConfig) -> list[int]:
+    """The sliding-window layers (their KV goes to the window pool)."""
+    return [i for i, w in enumerate(cfg.layer_windows or []) if w is not None]
+
+
+def _make_stores(cfg: ModelConfig, cache: CacheConfig, slots: int, model: LlamaModel):
+    """(a KV store per layer, the window layers' block map or None). With a window pool the
+    sliding-window layers' stores hold its blocks and one more (the null block, which also
+    takes the decode graphs' padded rows) and read through the map."""
+    store, dev, dtype = STORES[cache.store], model.device, model.dtype
+    stores = []
+    windowed = set(window_layers(cfg)) if cache.window_blocks else set()
+    remap = None
+    if windowed:
+        remap = torch.full((cache.num_blocks + 1,), cache.window_blocks, device=dev)
+    window_slots = (cache.window_blocks + 1) * cache.block_size
+    for i in range(cfg.num_layers):
+        n = window_slots if i in windowed else slots
+        kv = store(cfg.num_kv_heads, n, cfg.head_dim, dtype, dev)
+        stores.append(WindowKV(kv, remap, cache.block_size) if i in windowed else kv)
+    return stores, remap
 
 
 def _uniform_group(items):
@@ -82,6 +127,7 @@ class CacheConfig:
     num_blocks: int
     block_size: int
     store: str = "plain"
+    window_blocks: int = 0  # the sliding-window layers' own pool (engine/window_blocks.py)
 
 
 class ModelRunner:
@@ -105,11 +151,8 @@ class ModelRunner:
         self.dtype = model.dtype
         pad_block = cache.num_blocks if graphs_max_batch else None  # the block past the pool's
         slots = (cache.num_blocks + (pad_block is not None)) * cache.block_size
-        store = STORES[cache.store]
-        self.kv_caches = [
-            store(cfg.num_kv_heads, slots, cfg.head_dim, self.dtype, self.device)
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches, self.window_remap = _make_stores(cfg, cache, slots, model)
+        self.window_map: np.ndarray | None = None  # the window pool's map, set by the engine
         model.bind_kv_cache(self.kv_caches)
         if batch_invariant and not model.plan.batch_invariant:
             raise InvalidRequestError(
@@ -238,6 +281,8 @@ class ModelRunner:
         """Run the model on the scheduled items and sample their rows (`masks`: the step's
         grammar masks, on a GPU filled during the forward pass)."""
         prompt_rows: PromptRows = []
+        if self.window_map is not None:
+            self.window_remap.copy_(torch.from_numpy(self.window_map))
         input_ids, positions, meta, rows, samples = self.prepare(items, prompt_rows)
         logits = None
         if self.graphs is not None:

@@ -313,7 +313,7 @@ class Scheduler:
         if head is None:
             return
         need = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
-        while len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need:
+        while len(self.running) >= self.max_num_seqs or not self.kv.has_free(need):
             head_rank = self.rank(head)
             victims = [
                 r

@@ -1,0 +1,124 @@
+"""The sliding-window layers' own KV pool (engine/window_blocks.py): a request holds only its
+window's blocks there, and greedy tokens stay transformers' with prompts and outputs several
+windows long (windows of 8 over blocks of 4), in chunks, preempted, with n-gram guesses rolled
+back, and over prefixes another request's window still holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from expresslane import LLM, SamplingParams
+from expresslane.engine.kv_cache import KVCacheManager
+from expresslane.engine.request import Request
+from expresslane.engine.window_blocks import WindowBlocks
+
+from .conftest import random_prompts
+from .test_gemma3 import gemma3_dir  # noqa: F401
+from .test_gpt_oss import gpt_oss_dir  # noqa: F401
+from .test_model_parity import hf_greedy, hf_model
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+WINDOWED = dict(dtype="float32", block_size=4)  # the checkpoints' windows are 8: two blocks
+BOUND = 8 // 4 + 1  # window blocks a request holds between steps
+
+
+def _request(tokens: list[int]) -> Request:
+    return Request("r", tokens, SamplingParams(max_tokens=8), max_tokens=8)
+
+
+def test_window_blocks_are_given_back_as_the_window_moves():
+    window = WindowBlocks(num_blocks=6, num_logical=32, window=8, block_size=4)
+    kv = KVCacheManager(32, 4, window=window)
+    req = _request(list(range(40)))
+    assert kv.allocate(req, 40) is False  # ten blocks: the window pool has six
+    assert kv.allocate(req, 24)
+    req.num_computed_tokens = 24
+    kv.slide(req)  # queries from 24 on see 17..: blocks 4 and 5
+    assert req.window_start == 4 and window.num_used == 2
+    assert list(window.remap[req.block_ids[:4]]) == [window.null] * 4
+    assert kv.allocate(req, 40) and window.num_used == 6
+    kv.trim(req, 29)  # a rollback: blocks 8 and 9 go, in both pools
+    assert len(req.block_ids) == 8 and window.num_used == 4
+    kv.release(req)
+    assert window.num_free == 6 and kv.num_free_blocks == 32
+
+
+def test_a_prefix_hit_needs_its_window_still_held():
+    window = WindowBlocks(num_blocks=16, num_logical=32, window=8, block_size=4)
+    kv = KVCacheManager(32, 4, window=window)
+    first = _request(list(range(24)))
+    assert kv.allocate(first, 24)
+    first.num_computed_tokens = 24
+    kv.cache_full_blocks(first)
+    kv.slide(first)
+    second = _request(list(range(24)) + [99])
+    assert kv.acquire_prefix(second) == 24  # blocks 4 and 5, which its window needs, are held
+    assert second.window_start == 4 and window.refs[first.block_ids[5]] == 2
+    kv.release(second)
+    first.num_computed_tokens = 33  # first's window has left blocks 4 and 5 behind
+    assert kv.allocate(first, 33)
+    kv.slide(first)
+    third = _request(list(range(24)) + [98])
+    assert kv.acquire_prefix(third) == 0  # the full layers' blocks alone do not make a hit
+    kv.release(first)
+    assert window.num_free == 16 and kv.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("model", ["gemma3_dir", "gpt_oss_dir"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 8},
+        {"num_kv_blocks": 24},  # fewer than the requests need together: preemption
+        {"speculative": {"method": "ngram", "num_tokens": 4, "max_batch": None}},
+    ],
+    ids=["whole", "chunked", "preempted", "ngram"],
+)
+def test_greedy_tokens_match_transformers(request, model, options):
+    path = request.getfixturevalue(model)
+    hf = hf_model(path)
+    prompts = [p + p[:12] for p in random_prompts(4, 20, 40, seed=11)]
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    llm = LLM(str(path), **WINDOWED, **options)
+    kv = llm.engine.kv
+    assert kv.window is not None and kv.window.num_blocks <= kv.num_blocks
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 30) for p in prompts]
+    if "num_kv_blocks" in options:
+        assert any(o.metrics["num_preemptions"] for o in outputs)
+    assert kv.window.num_free == kv.window.num_blocks and kv.num_free_blocks == kv.num_blocks
+
+
+def _held(req: Request) -> int:
+    return len(req.block_ids) - req.window_start
+
+
+def test_a_long_request_holds_its_window_only(gemma3_dir):  # noqa: F811
+    """Between steps each request holds at most window / block_size + 1 window blocks while
+    its logical table grows; a prefix is served while another request's window holds its end,
+    and not once every window has moved past it."""
+    engine = LLM(str(gemma3_dir), **WINDOWED).engine
+    window = engine.kv.window
+    prompt = random_prompts(1, 40, 41, seed=12)[0]
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    first = engine.add_request(prompt, params)
+    engine.step()
+    second = engine.add_request(prompt + [5, 6, 7], params)
+    engine.step()
+    assert second.num_cached_tokens == 40
+    for _ in range(20):
+        engine.step()
+        assert _held(first) <= BOUND and _held(second) <= BOUND
+        assert window.num_used <= 2 * BOUND
+    assert len(first.block_ids) >= 15  # its whole context, in the full layers' pool
+    third = engine.add_request(prompt + [8, 9], params)
+    while engine.has_unfinished():
+        engine.step()
+        assert all(_held(r) <= BOUND for r in (first, second, third) if r.block_ids)
+    assert third.num_cached_tokens == 0
+    hf = hf_model(gemma3_dir)
+    for req in (first, second, third):
+        n = req.num_prompt_tokens
+        assert req.token_ids[n:] == hf_greedy(hf, req.token_ids[:n], 40)
+    assert window.num_free == window.num_blocks
