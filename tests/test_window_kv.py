@@ -5,12 +5,18 @@ back, and over prefixes another request's window still holds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from expresslane import LLM, SamplingParams
+from expresslane.config import EngineConfig
 from expresslane.engine.kv_cache import KVCacheManager
 from expresslane.engine.request import Request
+from expresslane.engine.runner import size_kv_cache
 from expresslane.engine.window_blocks import WindowBlocks
+from expresslane.models.config import ModelConfig
 
 from .conftest import random_prompts
 from .test_gemma3 import gemma3_dir  # noqa: F401
@@ -54,14 +60,44 @@ def test_a_prefix_hit_needs_its_window_still_held():
     second = _request(list(range(24)) + [99])
     assert kv.acquire_prefix(second) == 24  # blocks 4 and 5, which its window needs, are held
     assert second.window_start == 4 and window.refs[first.block_ids[5]] == 2
-    kv.release(second)
-    first.num_computed_tokens = 33  # first's window has left blocks 4 and 5 behind
-    assert kv.allocate(first, 33)
-    kv.slide(first)
+    for req in (first, second):  # both windows leave blocks 4 and 5 behind
+        req.num_computed_tokens = 33
+        assert kv.allocate(req, 33)
+        kv.slide(req)
     third = _request(list(range(24)) + [98])
     assert kv.acquire_prefix(third) == 0  # the full layers' blocks alone do not make a hit
     kv.release(first)
+    kv.release(second)
     assert window.num_free == 16 and kv.num_free_blocks == 32
+
+
+def _advance(kv: KVCacheManager, req: Request, num_tokens: int) -> None:
+    """Allocate, compute and cache up to `num_tokens`, then slide (a step's bookkeeping)."""
+    assert kv.allocate(req, num_tokens)
+    req.num_computed_tokens = num_tokens
+    kv.cache_full_blocks(req)
+    kv.slide(req)
+
+
+def test_an_ended_request_leaves_its_window_to_the_prefix_cache():
+    window = WindowBlocks(num_blocks=4, num_logical=32, window=8, block_size=4)
+    kv = KVCacheManager(32, 4, window=window)
+    first = _request(list(range(18)))
+    for n in (12, 16, 18):
+        _advance(kv, first, n)
+    assert first.window_start == 2  # behind its last full block's end (16), not 18
+    full = first.block_ids[2:4]
+    kv.release(first)
+    assert list(window.kept) == full  # its cached full blocks; not the partial one
+    assert window.num_free == 4 and window.evictable == 2
+    turn = _request(list(range(18)) + [99])
+    assert kv.acquire_prefix(turn) == 16 and window.num_free == 2
+    kv.release(turn)
+    other = _request(list(range(100, 116)))
+    assert kv.allocate(other, 16)  # takes the kept blocks back
+    assert not window.kept and window.num_free == 0
+    kv.release(other)
+    assert window.num_free == 4
 
 
 @pytest.mark.parametrize("model", ["gemma3_dir", "gpt_oss_dir"])
@@ -117,8 +153,25 @@ def test_a_long_request_holds_its_window_only(gemma3_dir):  # noqa: F811
         engine.step()
         assert all(_held(r) <= BOUND for r in (first, second, third) if r.block_ids)
     assert third.num_cached_tokens == 0
+    turn = engine.add_request(first.token_ids + [5], SamplingParams(max_tokens=8, **GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert turn.num_cached_tokens == (len(first.token_ids) - 1) // 4 * 4  # its computed blocks
     hf = hf_model(gemma3_dir)
-    for req in (first, second, third):
+    for req in (first, second, third, turn):
         n = req.num_prompt_tokens
-        assert req.token_ids[n:] == hf_greedy(hf, req.token_ids[:n], 40)
+        assert req.token_ids[n:] == hf_greedy(hf, req.token_ids[:n], req.max_tokens)
     assert window.num_free == window.num_blocks
+
+
+def test_the_full_layers_get_the_memory_the_window_layers_free(gemma3_dir):  # noqa: F811
+    """One full layer in seven: the same memory holds several times the context."""
+    cfg = ModelConfig.from_dir(gemma3_dir)
+    config = EngineConfig(model=str(gemma3_dir), kv_cache_memory_gb=0.01, block_size=4)
+    pooled = size_kv_cache(config, cfg, torch.float32, 10**6)
+    every = size_kv_cache(replace(config, tensor_parallel_size=2), cfg, torch.float32, 10**6)
+    assert every.window_blocks == 0 and pooled.window_blocks > 0
+    per_layer = every.bytes_per_token * 4 // cfg.num_layers
+    used = pooled.num_blocks + 6 * pooled.window_blocks
+    assert used * per_layer <= 0.01 * 2**30 < (used + 7) * per_layer
+    assert pooled.max_model_len >= 3 * every.max_model_len

@@ -130,11 +130,17 @@ class KVCacheManager:
     def drop_cached_prefixes(self) -> None:
         """Forget the contents of every free block (after a device fault, a cached block's
         contents are not trusted); blocks that requests hold keep theirs."""
-        for h, block_id in list(self.cached.items()):
+        for block_id in list(self.cached.values()):
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.cached[h]
-                block.hash = block.tokens = None
+                self._evict(block)
+
+    def _evict(self, block: Block) -> None:
+        """Forget a free block's contents (and the window block the cache kept for it)."""
+        del self.cached[block.hash]
+        block.hash = block.tokens = None
+        if self.window is not None:
+            self.window.forget(block.id)
 
     def reset(self) -> None:
         """Every block free and nothing cached (when no request holds blocks any more)."""
@@ -172,8 +178,7 @@ class KVCacheManager:
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:
-                del self.cached[block.hash]
-                block.hash = block.tokens = None
+                self._evict(block)
             block.ref_count = 1
             req.block_ids.append(block_id)
             if self.window is not None:
@@ -184,7 +189,7 @@ class KVCacheManager:
         """Drop the request's references. Blocks with no cached content are reused first;
         cached ones queue up tail before head, so shared prefixes outlive private tails."""
         if self.window is not None:
-            self.window.release(req)
+            self.window.release(req, lambda b: self.blocks[b].hash is not None)
         for block_id in reversed(req.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -64,11 +64,14 @@ def size_kv_cache(
     window_blocks = 0
     if windowed:
         reach = -(-max(w for w in cfg.layer_windows if w) // bs) + 2
-        window_blocks = config.max_batch * reach + -(-config.max_num_batched_tokens // bs)
-        window_blocks = min(window_blocks, int(budget / 2 // window_block))
-        budget -= window_blocks * window_block
+        step = -(-config.max_num_batched_tokens // bs)
+        # at least one request's window and a step's chunk, else none could run
+        window_blocks = max(
+            min(config.max_batch * reach + step, budget / 2 // window_block), reach + step
+        )
+        budget = max(budget - window_blocks * window_block, 0)
     num_blocks = config.num_kv_blocks or _full_blocks(budget, full_block, config, max_len)
-    window_blocks = min(window_blocks, num_blocks)
+    window_blocks = int(min(window_blocks, num_blocks))
     if (capacity := num_blocks * bs) < max_len:
         log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
         max_len = capacity

@@ -11,14 +11,18 @@ tokens. Unmapped logical blocks point at the block past the pool's (`null`): rea
 masked, and the decode graphs' padded rows write there.
 
 Holders are counted per logical block: a prefix hit shares window blocks that another request
-still holds. A logical block whose window block is gone stays a cached prefix for the full
-layers, but a hit is cut before any block its window needs and lacks (`usable_hits`): once
-every holder has dropped a window block, no later request is served from it.
+still holds. A request that ends leaves the window blocks of its cached full blocks to the
+prefix cache (`kept`, one reference, taken back oldest first when the pool runs out, or when
+the logical block is evicted), so a next turn that extends its tokens finds its window. A
+logical block whose window block is gone stays a cached prefix for the full layers, but a hit
+is cut before any block its window needs and lacks (`usable_hits`): a block dropped as the
+window moved on is never served again.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,14 +39,19 @@ class WindowBlocks:
         # one entry past the logical pool: the decode graphs' padding block
         self.refs = np.zeros(num_logical + 1, dtype=np.int32)
         self.remap = np.full(num_logical + 1, self.null, dtype=np.int64)
+        # logical blocks whose window block the prefix cache holds (one reference), oldest
+        # first, and how many of those nobody else holds (taken back when the pool runs out)
+        self.kept: OrderedDict[int, None] = OrderedDict()
+        self.evictable = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Window blocks an allocation can take (kept ones nobody else holds included)."""
+        return len(self.free) + self.evictable
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free
 
     def first_needed(self, num_computed: int) -> int:
         """The first block that queries from position `num_computed` on can see."""
@@ -51,14 +60,30 @@ class WindowBlocks:
     def hold(self, block_id: int) -> None:
         """One more holder of logical `block_id` (a new block takes a window block)."""
         if self.refs[block_id] == 0:
-            self.remap[block_id] = self.free.popleft()
+            self.remap[block_id] = self._take()
+        elif self.refs[block_id] == 1 and block_id in self.kept:
+            self.evictable -= 1
         self.refs[block_id] += 1
+
+    def _take(self) -> int:
+        if not self.free:  # the oldest kept block nobody else holds
+            self.forget(next(b for b in self.kept if self.refs[b] == 1))
+        return self.free.popleft()
 
     def drop(self, block_id: int) -> None:
         self.refs[block_id] -= 1
         if self.refs[block_id] == 0:
             self.free.append(int(self.remap[block_id]))
             self.remap[block_id] = self.null
+        elif self.refs[block_id] == 1 and block_id in self.kept:
+            self.evictable += 1
+
+    def forget(self, block_id: int) -> None:
+        """The prefix cache lets go of logical `block_id`'s window block (evicted)."""
+        if block_id in self.kept:
+            del self.kept[block_id]
+            self.evictable -= self.refs[block_id] == 1
+            self.drop(block_id)
 
     def usable_hits(self, hits: list[int]) -> int:
         """How many of the cached blocks `hits` (a prefix) a request can take: the window of
@@ -75,8 +100,10 @@ class WindowBlocks:
             self.hold(block_id)
 
     def slide(self, req: Request) -> None:
-        """Drop the blocks the request's window has left behind."""
-        first = min(self.first_needed(req.num_computed_tokens), len(req.block_ids))
+        """Drop the blocks the request's window has left behind: behind its last full block's
+        end, so that its full blocks stay a prefix that a later request can take whole."""
+        bs = self.block_size
+        first = min(self.first_needed(req.num_computed_tokens // bs * bs), len(req.block_ids))
         for block_id in req.block_ids[req.window_start : first]:
             self.drop(block_id)
         req.window_start = max(req.window_start, first)
@@ -86,15 +113,23 @@ class WindowBlocks:
         for block_id in req.block_ids[max(keep, req.window_start) :]:
             self.drop(block_id)
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Request, cached: Callable[[int], bool]) -> None:
+        """Drop the request's window blocks; those of `cached` logical blocks (in the prefix
+        cache) the cache keeps, for a next turn that extends this request's tokens."""
         for block_id in req.block_ids[req.window_start :]:
-            self.drop(block_id)
+            if not cached(block_id) or block_id in self.kept:
+                self.drop(block_id)
+                continue
+            self.kept[block_id] = None  # the request's reference becomes the cache's
+            self.evictable += self.refs[block_id] == 1
         req.window_start = 0
 
     def reset(self) -> None:
         self.free = deque(range(self.num_blocks))
         self.refs[:] = 0
         self.remap[:] = self.null
+        self.kept.clear()
+        self.evictable = 0
 
 
 def window_pool(sizing, cfg, block_size: int) -> WindowBlocks | None:
