@@ -123,6 +123,11 @@ def test_greedy_tokens_match_transformers(request, model, options):
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 30) for p in prompts]
     if "num_kv_blocks" in options:
         assert any(o.metrics["num_preemptions"] for o in outputs)
+    # next turns: each extends a finished request, whose window the prefix cache kept
+    turns = [p + o.token_ids + [7] for p, o in zip(prompts, outputs, strict=True)]
+    again = llm.generate(turns, SamplingParams(max_tokens=6, **GREEDY))
+    assert [o.token_ids for o in again] == [hf_greedy(hf, p, 6) for p in turns]
+    assert any(o.num_cached_tokens for o in again) or "num_kv_blocks" in options  # evicted
     assert kv.window.num_free == kv.window.num_blocks and kv.num_free_blocks == kv.num_blocks
 
 
