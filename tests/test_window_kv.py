@@ -5,6 +5,7 @@ back, and over prefixes another request's window still holds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from expresslane.engine.request import Request
 from expresslane.engine.runner import size_kv_cache
 from expresslane.engine.window_blocks import WindowBlocks
 from expresslane.models.config import ModelConfig
+from expresslane.perplexity import perplexity
 
 from .conftest import random_prompts
 from .test_gemma3 import gemma3_dir  # noqa: F401
@@ -180,3 +182,20 @@ def test_the_full_layers_get_the_memory_the_window_layers_free(gemma3_dir):  # n
     used = pooled.num_blocks + 6 * pooled.window_blocks
     assert used * per_layer <= 0.01 * 2**30 < (used + 7) * per_layer
     assert pooled.max_model_len >= 3 * every.max_model_len
+
+
+def test_perplexity_reads_the_window_layers_through_the_map(gemma3_dir):  # noqa: F811
+    llm = LLM(str(gemma3_dir), **WINDOWED)
+    text = (gemma3_dir / "tokenizer.json").read_text()[:3000]
+    result = perplexity(llm, text, max_tokens=200, window=64, chunk=24)
+    ids = llm.tokenizer.encode(text, False)[:201]
+    model = hf_model(gemma3_dir)
+    nll = 0.0
+    with torch.no_grad():
+        for s in range(0, 200, 64):
+            chunk = torch.tensor(ids[s : s + 65])
+            logits = model(chunk[None, :-1]).logits[0]
+            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+    assert result["tokens"] == 200
+    assert result["perplexity"] == pytest.approx(math.exp(nll / 200), rel=1e-4)
+    assert llm.engine.kv.window.num_free == llm.engine.kv.window.num_blocks

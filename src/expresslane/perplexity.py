@@ -46,12 +46,14 @@ def perplexity(
     engine = llm.engine
     if engine.tokenizer is None:
         raise InvalidRequestError("perplexity needs a model with a tokenizer")
-    window = min(window, engine.max_model_len, engine.kv.num_blocks * engine.kv.block_size)
+    room = engine.kv.num_blocks_at_once * engine.kv.block_size
+    window = min(window, engine.max_model_len, room)
     ids = engine.tokenizer.encode(text, False)[: max_tokens + 1]
     # KV blocks for one window, taken from (and given back to) the engine's pool.
     holder = Request("perplexity", [0], SamplingParams(), max_tokens=1)
     if not engine.kv.allocate(holder, window):
         raise InvalidRequestError("the KV cache has no room for a scoring window")
+    engine.runner.sync_window_map()
     slots = torch.from_numpy(engine.runner.slots(holder, 0, window)).to(engine.device)
     pos = torch.arange(window)
     nll, count = 0.0, 0

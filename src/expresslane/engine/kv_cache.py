@@ -60,6 +60,14 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return len(self.blocks) - len(self.free)
 
+    @property
+    def num_blocks_at_once(self) -> int:
+        """The most blocks one request can hold before any go back (the window pool's
+        size bounds a request that never slides)."""
+        if self.window is None:
+            return len(self.blocks)
+        return min(len(self.blocks), self.window.num_blocks)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -170,6 +170,12 @@ class ModelRunner:
             pad_slot = pad_block * cache.block_size
             self.graphs = DecodeGraphs(model, graphs_max_batch, max_ctx, pad_slot)
 
+    def sync_window_map(self) -> None:
+        """Copy the window pool's block map to where the window layers read it (before
+        every forward pass over the engine's blocks)."""
+        if self.window_map is not None:
+            self.window_remap.copy_(torch.from_numpy(self.window_map))
+
     def slots(self, req: Request, start: int, end: int) -> np.ndarray:
         """KV cache slots of positions start..end-1 of `req`, from its block table."""
         pos = np.arange(start, end)
@@ -284,8 +290,7 @@ class ModelRunner:
         """Run the model on the scheduled items and sample their rows (`masks`: the step's
         grammar masks, on a GPU filled during the forward pass)."""
         prompt_rows: PromptRows = []
-        if self.window_map is not None:
-            self.window_remap.copy_(torch.from_numpy(self.window_map))
+        self.sync_window_map()
         input_ids, positions, meta, rows, samples = self.prepare(items, prompt_rows)
         logits = None
         if self.graphs is not None:
