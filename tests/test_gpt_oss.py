@@ -268,18 +268,21 @@ def test_mxfp4_at_load_equals_the_published_layout(gpt_oss_dir, mxfp4_dir, promp
 
 
 def test_a_token_alone_sums_its_experts_as_a_batch_does(mxfp4_dir):
-    """A batch-1 step skips the sort by expert (`SparseMoE._one_token`) and sums the same
-    experts in the same order: with the FP4 kernel's row-invariant rows, bit for bit."""
+    """A batch-1 step skips the sort by expert (`SparseMoE._one_token`, or one call of the C++
+    expert block) and sums the same experts in the same order: with the FP4 kernel's
+    row-invariant rows, bit for bit."""
     model, _ = load_model(mxfp4_dir, torch.float32, torch.device("cpu"), 512)
     if model.layers[0].moe.gate_up[0].path is not LinearPath.FP4_W4A8:
         pytest.skip("no CPU kernels here: the reference's matmuls depend on the rows")
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
     for moe in (layer.moe for layer in model.layers):
+        assert moe.native is not None  # the experts in C++
         weights, experts = moe.route(x)
         batch = moe._grouped(x, weights, experts)
         for i, row in enumerate(x):
             alone = moe._one_token(row[None], weights[i], experts[i])
             assert torch.equal(alone, batch[i : i + 1])
+            assert torch.equal(moe(row[None]), batch[i : i + 1])
 
 
 def test_an_fp8_kv_cache_with_speculation_and_preemption(gpt_oss_dir):

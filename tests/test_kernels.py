@@ -21,11 +21,16 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="no AVX2 CPU kernels 
 def test_the_modules_constants_are_the_python_enums():
     """The integers the module and Python share (kernels/constants.h) are kernels/constants.py's,
     and the stores and formats pass them."""
-    from expresslane.kernels.constants import KVKind, ScaleKind
+    from expresslane.kernels.constants import ExpertActivation, KVKind, ScaleKind
     from expresslane.models.kv_store import STORES
     from expresslane.quant.formats import MXFP4, NVFP4
 
-    for enum, prefix in ((KVKind, "KV_KIND_"), (ScaleKind, "SCALE_KIND_")):
+    enums = (
+        (KVKind, "KV_KIND_"),
+        (ScaleKind, "SCALE_KIND_"),
+        (ExpertActivation, "EXPERT_ACTIVATION_"),
+    )
+    for enum, prefix in enums:
         exported = {
             n.removeprefix(prefix): getattr(kernels, n)
             for n in dir(kernels)

@@ -29,6 +29,7 @@ SOURCES = (
     "bf16dot_cpu.cpp",
     "f16dot_cpu.cpp",
     "layer_stack_cpu.cpp",
+    "experts_cpu.cpp",
     "fp4_cpu.cpp",
     "int4_cpu.cpp",
     "mask_cpu.cpp",

@@ -1,13 +1,16 @@
-// The Python module: the kernels (kernels.h), the native step's class (layer_stack.h) and
-// the integers shared with Python (constants.h; kernels/constants.py holds the same).
+// The Python module: the kernels (kernels.h), the native step's class (layer_stack.h), the
+// experts' (experts.h) and the integers shared with Python (constants.h; kernels/constants.py
+// holds the same).
 #include <torch/extension.h>
 
 #include "constants.h"
+#include "experts.h"
 #include "layer_stack.h"
 #include "kernels.h"
 
 namespace {
 
+using expresslane::ExpertActivation;
 using expresslane::KVKind;
 using expresslane::ScaleKind;
 using expresslane::value;
@@ -23,6 +26,8 @@ void add_constants(pybind11::module& m) {
   m.attr("KV_KIND_BF16") = value(KVKind::kBf16);
   m.attr("SCALE_KIND_E8M0") = value(ScaleKind::kE8M0);
   m.attr("SCALE_KIND_E4M3") = value(ScaleKind::kE4M3);
+  m.attr("EXPERT_ACTIVATION_SWIGLU") = value(ExpertActivation::kSwiGLU);
+  m.attr("EXPERT_ACTIVATION_CLAMPED_SWIGLU") = value(ExpertActivation::kClampedSwiGLU);
 }
 
 }  // namespace
@@ -41,6 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &LayerStack::logits, NoGil())
       .def("set_greedy_vocab", &LayerStack::set_greedy_vocab)
       .def("greedy", &LayerStack::greedy, NoGil());
+  pybind11::class_<ExpertBlock>(m, "ExpertBlock")
+      .def(pybind11::init<int64_t, int64_t, double, double>())
+      .def("add_expert", &ExpertBlock::add_expert)
+      .def("expert", &ExpertBlock::expert, NoGil())
+      .def("token", &ExpertBlock::token, NoGil());
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: disallowed tokens' logits to -inf, in place", NoGil());
   m.def("sample_rows", &sample_rows, "one token per row: temperature, min_p, top_k, top_p, inverse transform", NoGil());
   m.def("filter_rows", &filter_rows, "the distribution sample_rows draws from: temperature, min_p, top_k, top_p", NoGil());

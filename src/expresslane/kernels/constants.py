@@ -1,7 +1,7 @@
 """The integers that cross the Python/C++ boundary, named: this module and
 kernels/constants.h hold the same values (tests/test_kernels.py checks the compiled module's
-KV_KIND_* and SCALE_KIND_* against these). Readable without the compiled kernels: the Triton
-kernel and the PyTorch paths use them too."""
+KV_KIND_*, SCALE_KIND_* and EXPERT_ACTIVATION_* against these). Readable without the compiled
+kernels: the Triton kernel and the PyTorch paths use them too."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ class ScaleKind(IntEnum):
 
     E8M0 = 0  # MXFP4: a power of two, the byte is the exponent + 127
     E4M3 = 1  # NVFP4: FP8 E4M3 bits
+
+
+class ExpertActivation(IntEnum):
+    """An expert's activation between its gate_up and down linears (models/moe.py)."""
+
+    SWIGLU = 0  # silu(gate) * up, gate the first half of gate_up's outputs (Qwen3-MoE, Mixtral)
+    CLAMPED_SWIGLU = 1  # gpt-oss: gate and up interleaved, clamped, (up + 1) * gate * sigmoid

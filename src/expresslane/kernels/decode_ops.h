@@ -84,6 +84,23 @@ inline void silu_mul(const float* g, const float* u, float* y, int64_t n) {
   }
 }
 
+// gpt-oss's expert activation (models/gpt_oss.py) over gate_up's interleaved outputs
+// gu = [g0, u0, g1, u1, ...] (2n floats): y = (clamp(u, ±limit) + 1) * g * sigmoid(alpha g),
+// g clamped above at limit, in the reference's order of operations.
+inline void clamped_swiglu(const float* gu, float* y, int64_t n, float alpha, float limit) {
+  const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+  const __m256 a = _mm256_set1_ps(alpha);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 p = _mm256_loadu_ps(gu + 2 * i), q = _mm256_loadu_ps(gu + 2 * i + 8);
+    // even and odd floats of p and q, back in order across the 128-bit halves
+    const __m256 g = _mm256_min_ps(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p, q, 0x88)), 0xD8)), hi);
+    const __m256 u = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p, q, 0xDD)), 0xD8));
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(g, a)))));
+    const __m256 up = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(u, lo), hi), one);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(up, _mm256_mul_ps(g, sig)));
+  }
+}
+
 // s[0..n) = exp(s[0..n) - max), any n >= 1; returns their sum, the max in *max.
 inline float exp_shifted(float* s, int64_t n, float* max) {
   // the max in 8 lanes (exact in any order; one scalar chain ran ~3 cycles per score)

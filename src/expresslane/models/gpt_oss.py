@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.kernels.constants import ExpertActivation
 from expresslane.models.moe import MoEConfig, SparseMoE
 from expresslane.quant.mxfp4_experts import GPT_OSS
 
@@ -82,6 +83,8 @@ def _per_expert(take, names, name: str, n: int, linear_dtype: torch.dtype) -> li
 
 
 class GptOssMoE(SparseMoE):
+    activation = ExpertActivation.CLAMPED_SWIGLU
+
     def __init__(self, cfg: GptOssMoEConfig, w: dict[str, torch.Tensor]):
         super().__init__(cfg, w["router"], w)
         self.router_bias = nn.Parameter(w["router_bias"], requires_grad=False)
@@ -93,8 +96,7 @@ class GptOssMoE(SparseMoE):
         top, experts = logits.topk(self.top_k, dim=-1)
         return top.softmax(-1, dtype=torch.float32).to(x.dtype), experts
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up[e](x)
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        return self.down[e]((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

@@ -21,6 +21,7 @@ from expresslane.models.attention import AttentionMetadata, PagedAttention
 from expresslane.models.config import ModelConfig
 from expresslane.models.kv_store import PlainKV
 from expresslane.models.layers import RMSNorm, Rotary, apply_rope, make_linear
+from expresslane.models.moe import SparseMoE
 from expresslane.models.rope import plain_inv_freq, rope_frequencies
 from expresslane.models.sink_attention import SinkAttention
 from expresslane.quant.linear import Fp4Linear
@@ -130,7 +131,8 @@ class LlamaModel(nn.Module):
     def prepare_cpu(self, compute_dtype: torch.dtype) -> None:
         """Lay out linear weights for the CPU kernels (see `Linear.prepare_cpu`): the first
         layer's first, with their bf16 matrices, to choose which kernel prompt rows take
-        (kernels/linear_choice.py); then the rest, with matrices only if that is oneDNN."""
+        (kernels/linear_choice.py); then the rest, with matrices only if that is oneDNN; then
+        the mixtures' experts to their C++ block (models/moe.py)."""
         first = self.layers[0].linears()
         for m in first:
             m.prepare_cpu(compute_dtype, keep_matrix=self.allow_stack)  # for the stack only
@@ -147,6 +149,9 @@ class LlamaModel(nn.Module):
                 m.prepare_cpu(compute_dtype, keep_matrix=keep)
             else:
                 m.prepare_cpu(compute_dtype)
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.bind_kernels()
 
     def bind_kv_cache(self, caches: list) -> None:
         """One KV store per layer (models/kv_store.py); plain tensors are wrapped."""

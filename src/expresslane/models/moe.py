@@ -4,7 +4,10 @@ probabilities (renormalized over the chosen ones where `norm_topk_prob`).
 
 Tokens are grouped by expert: one pair of matrix calls per expert that any token of the step
 routed to, none for the others, so a batch-1 decode step reads only its `top_k` experts'
-weights. This plain PyTorch path is the reference and the path on every device.
+weights. This plain PyTorch path is the reference and the path on every device; on a CPU
+whose kernels take every expert's weight (FP4, bf16 dot products, 4-bit integers) an expert
+runs as one C++ call, and a batch-1 token's experts and their sum as one
+(kernels/experts_cpu.cpp).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expresslane.kernels.constants import ExpertActivation
+from expresslane.kernels.plan import ROW_INVARIANT
 from expresslane.models.layers import make_linear
 
 # The published checkpoints' names of one layer's router and experts, per architecture:
@@ -77,7 +82,11 @@ def expert_weights(take, prefix: str, names: tuple[str, str, str], n: int) -> di
 
 class SparseMoE(nn.Module):
     """The experts are the engine's linears (models/layers.py), so on a CPU they take its
-    prepared kernels (bf16 weights: the dot-product kernel) as a dense MLP's do."""
+    prepared kernels (bf16 weights: the dot-product kernel) as a dense MLP's do; `bind_kernels`
+    then hands them to the C++ expert block."""
+
+    activation = ExpertActivation.SWIGLU
+    alpha = limit = 0.0  # the clamped SwiGLU's (gpt-oss)
 
     def __init__(self, cfg: MoEConfig, router: torch.Tensor, w: dict[str, torch.Tensor]):
         super().__init__()
@@ -88,6 +97,12 @@ class SparseMoE(nn.Module):
         n = cfg.num_experts
         self.gate_up = nn.ModuleList(_linear(w, f"experts.{e}.gate_up") for e in range(n))
         self.down = nn.ModuleList(_linear(w, f"experts.{e}.down") for e in range(n))
+        self.native = None  # the C++ expert block (kernels/experts.h), once bound
+
+    def bind_kernels(self) -> None:
+        """Run the experts in C++ where every expert linear runs a CPU kernel at every batch;
+        call after the linears' `prepare_cpu`."""
+        self.native = native_experts(self)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k])."""
@@ -98,14 +113,20 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up[e](x)
-        return self.down[e](F.silu(gu[:, : self.ffn]) * gu[:, self.ffn :])
+        if self.native is not None:
+            return self.native.expert(e, x)
+        return self.down[e](self.activate(self.gate_up[e](x)))
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if x.shape[0] == 1:
-            return self._one_token(x, weights[0], experts[0])
-        return self._grouped(x, weights, experts)
+        if x.shape[0] > 1:
+            return self._grouped(x, weights, experts)
+        if self.native is not None:
+            return self.native.token(x, experts[0], weights[0])
+        return self._one_token(x, weights[0], experts[0])
 
     def _grouped(self, x: torch.Tensor, weights, experts) -> torch.Tensor:
         flat = experts.view(-1)
@@ -130,6 +151,23 @@ class SparseMoE(nn.Module):
             y = self.expert(e, x) * w
             out = y if out is None else out + y
         return out
+
+
+def native_experts(block: SparseMoE):
+    """The block's experts as the C++ `ExpertBlock`, or None where one of its linears runs no
+    CPU kernel at every batch (no kernels, float weights, a GPU) or its experts' intermediate
+    size is not a multiple of 8."""
+    from expresslane.kernels import cpu_kernels
+
+    linears = [*block.gate_up, *block.down]
+    if block.ffn % 8 or any(m.path not in ROW_INVARIANT for m in linears):
+        return None
+    native = cpu_kernels().ExpertBlock(block.activation, block.ffn, block.alpha, block.limit)
+    fmt = getattr(block.gate_up[0], "fmt", None)  # FP4's block size and scale kind
+    layout = (fmt.block_size, fmt.kernel_scale_kind) if fmt is not None else (0, 0)
+    for up, down in zip(block.gate_up, block.down, strict=True):
+        native.add_expert(up.kernel_weights(), up.bias, down.kernel_weights(), down.bias, *layout)
+    return native
 
 
 def _linear(w: dict[str, torch.Tensor], name: str) -> nn.Module:
