@@ -64,8 +64,11 @@ def gaps(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def test_the_cpp_experts_match_the_pytorch_path(arch, weights, biases):
     """A decode token (one C++ call for its routed experts and their sum) and a batch (one C++
     call per expert) against the PyTorch path over the same kernels' linears. They differ in
-    the activation's exp only (a polynomial within 1.2e-7 of it, not torch's): the int8 or
-    bf16 rounding of a few of the down linear's inputs may move."""
+    the activation's exp only (a polynomial within 1.2e-7 of it, not torch's), which may move
+    the down linear's rounding of an input: to bf16 by at most 2^-8 of it (one such moves the
+    output by less than the bound), to int8 by 1/127 of its block's maximum (~2e-3 of the
+    output here); a gpt-oss activation 1% off moves it by ~1.5e-3, a bias left out by far
+    more. Measured here: no rounding moved, the same floats."""
     block = make_block(arch, weights, biases)
     expected = LinearPath.FP4_W4A8 if weights == "mxfp4" else LinearPath.BF16_DOT
     if block.gate_up[0].path is not expected:
@@ -78,15 +81,16 @@ def test_the_cpp_experts_match_the_pytorch_path(arch, weights, biases):
         assert block.native is not None
         rows = [block(row[None]) for row in x]
         batch = block(x)
+    bound = 5e-3 if weights == "mxfp4" else 2e-4
     for ours, ref in zip(rows, ref_rows, strict=True):
-        assert gaps(ours, ref) < 2e-4
-    assert gaps(batch, ref_batch) < 2e-4
+        assert gaps(ours, ref) < bound
+    assert gaps(batch, ref_batch) < bound
     # a token's sum is the batch's, expert by expert in the same order, bit for bit
     with torch.inference_mode():
-        weights, experts = block.route(x)
-        batch = block._grouped(x, weights, experts)
+        probs, chosen = block.route(x)
+        batch = block._grouped(x, probs, chosen)
         for i in range(len(x)):
-            alone = block.native.token(x[i : i + 1], experts[i], weights[i])
+            alone = block.native.token(x[i : i + 1], chosen[i], probs[i])
             assert torch.equal(alone, batch[i : i + 1])
 
 
