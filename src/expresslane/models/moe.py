@@ -122,7 +122,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if x.shape[0] > 1:
+        if x.shape[0] != 1:
             return self._grouped(x, weights, experts)
         if self.native is not None:
             return self.native.token(x, experts[0], weights[0])
