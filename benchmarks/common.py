@@ -118,3 +118,14 @@ def save_results(name: str, results: dict) -> Path:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     return out
+
+
+def random_prompt_decode_speed(llm, vocab_size: int, prompt: int, new: int, low: int = 1) -> float:
+    """Greedy decode tokens/s of one request: `prompt` random token ids (from `low`: above the
+    special ids), `new` tokens made whatever the model says (EOS ignored), the first excluded."""
+    from expresslane import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(low, vocab_size, (prompt,), generator=g).tolist()
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    return llm.generate(ids, params)[0].metrics["decode_tokens_per_s"]

@@ -22,9 +22,9 @@ import statistics
 import time
 
 import torch
-from common import CACHE, machine, save_results
+from common import CACHE, machine, random_prompt_decode_speed, save_results
 
-from expresslane import LLM, SamplingParams
+from expresslane import LLM
 from expresslane.checkpoint import quantize_checkpoint
 from expresslane.models.gpt_oss import GptOssMoE
 
@@ -88,10 +88,7 @@ class BlockTimer:
 
 
 def decode_speed(llm: LLM) -> float:
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist()
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    return llm.generate(prompt, params)[0].metrics["decode_tokens_per_s"]
+    return random_prompt_decode_speed(llm, SHAPE["vocab_size"], PROMPT, NEW, low=3)
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import argparse
 import statistics
 
 import torch
-from common import CACHE, machine, save_results
+from common import CACHE, machine, random_prompt_decode_speed, save_results
 
-from expresslane import LLM, SamplingParams
+from expresslane import LLM
 from expresslane.models.moe import SparseMoE
 
 SHAPE = dict(
@@ -59,10 +59,7 @@ def every_expert(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_speed(llm: LLM) -> float:
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist()
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    return llm.generate(prompt, params)[0].metrics["decode_tokens_per_s"]
+    return random_prompt_decode_speed(llm, SHAPE["vocab_size"], PROMPT, NEW)
 
 
 def main() -> None:
