@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -200,6 +201,18 @@ def llama_dir(checkpoints) -> Path:
 def llama_bf16_dir(llama_dir, tmp_path_factory) -> Path:
     """The tiny Llama in bf16: on CPU its every step runs the native kernels."""
     return bf16_copy(llama_dir, tmp_path_factory.mktemp("bf16") / "llama")
+
+
+def reference_perplexity(model, ids: list[int], tokens: int, window: int) -> float:
+    """A transformers model's perplexity of ids[1 : tokens + 1], as `expresslane.perplexity`
+    computes it: windows of `window` predicted tokens, each reading only its own tokens."""
+    nll = 0.0
+    with torch.no_grad():
+        for s in range(0, tokens, window):
+            chunk = torch.tensor(ids[s : s + window + 1])
+            logits = model(chunk[None, :-1]).logits[0]
+            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+    return math.exp(nll / tokens)
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

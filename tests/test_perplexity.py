@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch
 from expresslane import LLM
 from expresslane.cli import main
 from expresslane.perplexity import perplexity
+
+from .conftest import reference_perplexity
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,14 +22,9 @@ def test_perplexity_matches_transformers(llama_dir):
     result = perplexity(llm, text, max_tokens=700, window=256)
     ids = llm.tokenizer.encode(text, False)[:701]
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
-    nll = 0.0
-    with torch.no_grad():
-        for s in range(0, 700, 256):
-            chunk = torch.tensor(ids[s : s + 257])
-            logits = model(chunk[None, :-1]).logits[0]
-            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
     assert result["tokens"] == 700
-    assert result["perplexity"] == pytest.approx(math.exp(nll / 700), rel=1e-4)
+    expected = reference_perplexity(model, ids, 700, 256)
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-4)
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
