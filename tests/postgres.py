@@ -20,12 +20,13 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from .ports import free_port
 
 _names = itertools.count()
 
@@ -39,12 +40,6 @@ def _binaries() -> str | None:
         if os.path.exists(os.path.join(folder, "pg_ctl")):
             return folder
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -77,7 +72,7 @@ class Cluster:
                   "--no-locale", "--no-sync")  # fmt: skip
         log = os.path.join(self.root, "log")
         for attempt in range(3):  # the free port may be taken before the server binds it
-            self.port = _free_port()
+            self.port = free_port()
             options = (
                 f"-c listen_addresses=127.0.0.1 -c port={self.port} "
                 f"-c unix_socket_directories={self.root} -c max_connections=200"

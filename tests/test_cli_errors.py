@@ -14,6 +14,8 @@ import torch
 
 from expresslane.cli import build_parser, main
 
+from .ports import free_port
+
 HELP_WITHOUT_TORCH = (
     "import sys\n"
     "from expresslane.cli import main\n"
@@ -149,9 +151,7 @@ def test_flags_win_over_the_config_file_even_at_their_defaults(tmp_path, monkeyp
     config.write_text(
         '[engine]\nmax_batch = 8\nkv_cache_dtype = "fp8"\nmax_num_batched_tokens = 256\n'
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     flags = ["--max-batch", "64", "--kv-cache-dtype", "auto", "--port", port]
     main(["serve", "--config", str(config), *flags])
     (engine,) = loaded

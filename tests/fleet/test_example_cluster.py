@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .cluster_command import free_port, running_cluster
+from ..ports import free_port
+from .cluster_command import running_cluster
 
 pytest.importorskip("ray")
 

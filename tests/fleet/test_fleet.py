@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from expresslane.fleet.names import APP_NAME, pool_deployment_name  # noqa: E402
 from expresslane.server.database import connect  # noqa: E402
 from expresslane.server.keys import KeyStore, Plan  # noqa: E402
 from expresslane.server.metering import Ledger  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.postgres import new_database  # noqa: E402
 
 RPM = 6
@@ -62,12 +62,6 @@ def cluster(port: int, database: str, std_replicas: int = 2, std_scaling: dict |
             },
         }
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

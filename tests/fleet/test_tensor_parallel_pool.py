@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .cluster_command import free_port, running_cluster
+from ..ports import free_port
+from .cluster_command import running_cluster
 
 pytest.importorskip("ray")
 

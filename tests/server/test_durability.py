@@ -14,7 +14,6 @@ import io
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import pytest
 from expresslane.cli import main as cli
 
 from ..conftest import make_checkpoint
+from ..ports import free_port
 
 MODEL = "llama"
 LONG = {"max_output_tokens": 3500, "ignore_eos": True, "temperature": 0}
@@ -39,12 +39,6 @@ def long_llama(tmp_path_factory) -> Path:
     return make_checkpoint(
         tmp_path_factory.mktemp("long_ctx"), "llama", max_position_embeddings=4096
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:

@@ -3,7 +3,6 @@ errors for a database that is not PostgreSQL, cannot be reached, or lacks its dr
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
@@ -11,6 +10,8 @@ import pytest
 from expresslane.cli import main as cli
 from expresslane.server.database import DatabaseUnavailable, connect, redact, to_psycopg
 from expresslane.server.settings import ServerSettings
+
+from ..ports import free_port
 
 URL = "postgresql://fleet:secret@db.internal:5432/expresslane"
 
@@ -48,15 +49,9 @@ def test_without_psycopg_a_postgres_url_names_the_extra(monkeypatch):
     assert "secret" not in str(e.value) and "\n" not in str(e.value)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_unreachable_database_is_one_line_before_the_model_loads(capsys):
-    url = f"postgresql://postgres:pw@127.0.0.1:{_free_port()}/x"
-    assert cli(["serve", "--database", url, "--port", str(_free_port())]) == 2
+    url = f"postgresql://postgres:pw@127.0.0.1:{free_port()}/x"
+    assert cli(["serve", "--database", url, "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("expresslane serve: error: cannot connect to postgresql://postgres:***@")
     assert "\n" not in err and ":pw@" not in err
