@@ -1,6 +1,7 @@
-"""Pools against lanes: does an ultrafast pool keep its speed while the default pool is full?
+"""Pools against lanes: does an ultrafast pool keep its speed while the default pool is full,
+and what does carrying the fleet's tokens cost?
 
-Two setups of the demo model on this machine, one after the other, same client and load:
+Setups of the demo model on this machine, one after the other, same client and load:
 
   lanes  one `expresslane serve` process: ultrafast and default are lanes of one engine
   fleet  `expresslane cluster` on a local Ray cluster: an ultrafast pool and a default pool of
@@ -10,25 +11,34 @@ Two setups of the demo model on this machine, one after the other, same client a
          the default pool's core (so the default pool also pays for every hop of the
          ultrafast pool's tokens)
 
-`--intervals` runs the fleet once per pair of the two pools' `stream_interval` (tokens a
-replica gathers per stream before a hop). Each setup runs three phases: ultrafast requests
+`--before REV` also runs the fleet of git revision REV (checked out as a worktree; its code is
+imported in a child process and its Ray cluster), first, so today's fleet is measured beside
+an earlier token path in one run. `--runs N` repeats everything N times. `--intervals` runs
+each fleet once per pair of the two pools' `stream_interval` (tokens a replica gathers per
+stream before a hop). Each setup runs three phases: ultrafast requests
 alone (the single-lane speed), `--streams` default streams alone (default throughput), then
 both at once. Reported per setup: ultrafast
 decode tokens/s with default traffic against alone, and default throughput with ultrafast
 traffic against alone. Then the fleet's added latency: `--probes` one-token completions, one at
 a time on an idle system, through the fleet's ingress and router against the lanes server
-(e2e p50 and p99; the difference is what the proxy, ingress and router hop costs), and the
-CPU time each part spent per default token while the default streams ran alone (from /proc).
+(e2e p50 and p99; the difference is what the ingress, router and token path add), and the
+CPU time each part spent per default token while the default streams ran alone (from /proc);
+"transport" is the ingress's, Serve's proxy's and Ray's other processes' together.
 
     python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50] [--intervals 1:1,8:4]
+    python benchmarks/fleet.py --before eadec6b --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,6 +103,7 @@ async def ultrafast_requests(http, server, args, results: list) -> None:
         results.append(((len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0], stamps[-1]))
 
 
+TRANSPORT = ("ingress", "Serve proxy", "Ray (other)")
 PARTS = {  # a process's command line -> the part of the fleet it is
     "ServeReplica:expresslane:ingress": "ingress",
     "ProxyActor": "Serve proxy",
@@ -184,40 +195,83 @@ def report(name: str, r: dict) -> None:
     )
     cpu = sorted(r["cpu_ms_per_default_token"].items(), key=lambda kv: -kv[1])
     print("       CPU ms per default token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
+    if "transport_ms_per_token" in r:
+        print(f"       transport CPU ms per default token: {r['transport_ms_per_token']:.3f}")
 
 
-async def main_async(args) -> dict:
-    results = {"machine": machine(), "settings": vars(args)}
+async def lanes_run(args) -> dict:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
         args.model = None
         lanes = Server(args, args.port, [])
         try:
             await lanes.ready(http)
-            results["lanes"] = await phases(http, lanes, args)
-            results["lanes"]["probe"] = await probe(http, lanes, args.probes)
+            r = await phases(http, lanes, args)
+            r["probe"] = await probe(http, lanes, args.probes)
         finally:
             lanes.stop()
-        report("lanes", results["lanes"])
-        for fast, std in args.intervals:
-            name = "fleet" if (fast, std) == (1, 1) else f"fleet, stream_interval {fast}/{std}"
-            fleet = Fleet(args.port + 1, (fast, std))
-            try:
-                await stream(http, fleet, "default", 8, [])  # first request: handles, routers
-                results[name] = await phases(http, fleet, args)
-                results[name]["probe"] = await probe(http, fleet, args.probes)
-            finally:
-                fleet.stop()
-            report(name, results[name])
-    first_fleet = next(k for k in results if k.startswith("fleet"))
-    p_fleet, p_lanes = results[first_fleet]["probe"], results["lanes"]["probe"]
-    results["router_added_ms"] = {
-        q: p_fleet[f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")
-    }
-    print(
-        "fleet added latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms".format(
-            **results["router_added_ms"]
+    report("lanes", r)
+    return r
+
+
+async def fleet_run(args, intervals: tuple[int, int]) -> dict:
+    """One fleet of the code this process imports (run as a child: `--fleet-only`)."""
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
+        fleet = Fleet(args.port + 1, intervals)
+        try:
+            await stream(http, fleet, "default", 8, [])  # first request: handles, routers
+            r = await phases(http, fleet, args)
+            r["probe"] = await probe(http, fleet, args.probes)
+        finally:
+            fleet.stop()
+    cpu = r["cpu_ms_per_default_token"]
+    r["transport_ms_per_token"] = sum(cpu.get(part, 0.0) for part in TRANSPORT)
+    return r
+
+
+def fleet_in_child(args, src: Path, intervals: tuple[int, int]) -> dict:
+    """`fleet_run` in a child process importing expresslane from `src` (so does its Ray)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fleet.json"
+        cmd = [sys.executable, __file__, "--fleet-only", str(out), "--intervals"]
+        cmd += [f"{intervals[0]}:{intervals[1]}", *args.passed]
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def worktree(rev: str) -> Path:
+    """The repository at `rev`, checked out (once) under the temporary directory."""
+    repo = Path(__file__).resolve().parent.parent
+    sha = subprocess.check_output(["git", "-C", str(repo), "rev-parse", rev], text=True).strip()
+    path = Path(tempfile.gettempdir()) / f"expresslane-{sha[:12]}"
+    if not path.exists():
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(path), sha],
+            check=True,
+            capture_output=True,
         )
-    )
+    return path / "src"
+
+
+def one_run(args) -> dict:
+    results = {"lanes": asyncio.run(lanes_run(args))}
+    here = Path(__file__).resolve().parent.parent / "src"
+    sources = ([(f"before ({args.before})", worktree(args.before))] if args.before else []) + [
+        ("fleet", here)
+    ]
+    for label, src in sources:
+        for fast, std in args.intervals:
+            name = label if (fast, std) == (1, 1) else f"{label}, stream_interval {fast}/{std}"
+            results[name] = fleet_in_child(args, src, (fast, std))
+            report(name, results[name])
+    p_lanes = results["lanes"]["probe"]
+    for name, r in results.items():
+        if name != "lanes":
+            r["added_ms"] = {q: r["probe"][f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")}
+            print(
+                f"{name}: added latency p50 {r['added_ms']['p50']:.1f} ms, "
+                f"p99 {r['added_ms']['p99']:.1f} ms"
+            )
     return results
 
 
@@ -237,9 +291,34 @@ def main() -> None:
         default=[(1, 1)],
         help="fleet runs, one per FAST:STD pair of the pools' stream_interval (e.g. 1:1,8:4)",
     )
+    ap.add_argument("--before", help="also run the fleet of this git revision, first")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--fleet-only", help=argparse.SUPPRESS)  # a child's output file
     args = ap.parse_args()
-    results = asyncio.run(main_async(args))
+    # what a child fleet gets: every option but those that choose the runs
+    args.passed = _without(sys.argv[1:], ("--intervals", "--before", "--runs", "--fleet-only"))
+    if args.fleet_only:
+        (fast, std), *_ = args.intervals
+        result = asyncio.run(fleet_run(args, (fast, std)))
+        Path(args.fleet_only).write_text(json.dumps(result))
+        return
+    results = {"machine": machine(), "settings": vars(args), "runs": []}
+    for _ in range(args.runs):
+        results["runs"].append(one_run(args))
     print(f"results: {Path(save_results('fleet', results))}")
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` less `options` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.split("=")[0] in options:
+            skip = "=" not in a
+        else:
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

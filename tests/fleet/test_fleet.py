@@ -185,11 +185,10 @@ def _both_ingresses_up(fleet) -> None:
 
 def test_two_ingress_replicas_share_limits_and_ledger(fleet):
     _both_ingresses_up(fleet)
-    c = client(fleet, "slow")
     ok, limited, ingresses, usage = 0, 0, set(), 0
     for _ in range(3 * RPM):
-        try:
-            r = chat(c, "default")
+        try:  # a client per request: the kernel spreads connections over the ingresses
+            r = chat(client(fleet, "slow"), "default")
         except openai.RateLimitError as e:
             limited += 1
             ingresses.add(e.response.headers["x-expresslane-ingress"])

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.output import RequestOutput
@@ -28,6 +29,13 @@ from expresslane.promise import Stated
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
+
+
+class OutputSink(Protocol):
+    """Where the step loop sends requests' outputs: `deliver` runs on the event loop that
+    enqueued them, once per step, with that step's outputs of all the sink's requests."""
+
+    def deliver(self, outputs: list[RequestOutput]) -> None: ...
 
 
 class RequestStream:
@@ -43,15 +51,9 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
-    def ready(self) -> list[RequestOutput]:
-        """The outputs delivered and not read yet, without waiting (for a consumer that
-        forwards them in bulk, as a fleet replica does)."""
-        out = []
-        while not self.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
-            self.finished = item.finished
-            out.append(item)
-        return out
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._queue.put_nowait(out)
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -71,7 +73,7 @@ class AsyncEngine:
         self.lane_load = LaneCounts()  # requests submitted and not finished, per lane
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, tuple[OutputSink, asyncio.AbstractEventLoop, str]] = {}
         self._lock = threading.Lock()
         self._stop = False
         self.ready = threading.Event()  # set once calibrated and stepping
@@ -138,14 +140,19 @@ class AsyncEngine:
         """Hand a request made by `make_request` to the step loop; returns its stream
         (`regions` concern fleets only)."""
         stream = RequestStream(req, self)
+        self.enqueue_to(req, stream)
+        return stream
+
+    def enqueue_to(self, req: Request, sink: OutputSink) -> None:
+        """`enqueue`, with the request's outputs going to `sink` (shared by many requests:
+        a fleet replica's connection to an ingress) rather than to a stream of its own."""
         with self._lock:
-            if req.request_id in self._streams:
+            if req.request_id in self._sinks:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
-            self._streams[req.request_id] = (stream, asyncio.get_running_loop())
+            self._sinks[req.request_id] = (sink, asyncio.get_running_loop(), req.lane)
             self.lane_load.add(req.lane)
         self._inbox.put(("add", req))
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -154,7 +161,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort whatever is in flight and stop the loop thread."""
         with self._lock:
-            ids = list(self._streams)
+            ids = list(self._sinks)
         for rid in ids:
             self.abort(rid)
         self._stop = True
@@ -165,16 +172,21 @@ class AsyncEngine:
     # -- the loop thread ----------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
-                entry = self._streams.get(out.request_id)
-                if entry is not None and out.finished:
-                    del self._streams[out.request_id]
-                    self.lane_load.done(entry[0].request.lane)
-            if entry is not None:
-                stream, loop = entry
-                with contextlib.suppress(RuntimeError):  # that event loop may be closed
-                    loop.call_soon_threadsafe(stream._queue.put_nowait, out)
+        """One hand-over per sink per step (a sink's requests' outputs in one list)."""
+        batches: dict[int, tuple[OutputSink, asyncio.AbstractEventLoop, list]] = {}
+        with self._lock:
+            for out in outputs:
+                entry = self._sinks.get(out.request_id)
+                if entry is None:
+                    continue
+                sink, loop, lane = entry
+                if out.finished:
+                    del self._sinks[out.request_id]
+                    self.lane_load.done(lane)
+                batches.setdefault(id(sink), (sink, loop, []))[2].append(out)
+        for sink, loop, outs in batches.values():
+            with contextlib.suppress(RuntimeError):  # that event loop may be closed
+                loop.call_soon_threadsafe(sink.deliver, outs)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []

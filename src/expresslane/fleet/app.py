@@ -1,6 +1,7 @@
 """`build`: the fleet as a Ray Serve application builder, for a Serve config file or KubeRay's
 `RayService` (`import_path: expresslane.fleet.app:build`, `args: {cluster_file: PATH}`).
-Serve's own `http_options` then say where the ingress listens."""
+The ingress replicas listen on the cluster file's `[ingress]` address themselves (unless it says
+`http = "serve-proxy"`: then Serve's own `http_options` say where its proxy listens)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
     [ingress]
     replicas = 1
     port = 8000
+    http = "direct"                # or "serve-proxy": Ray Serve's HTTP proxy in front
     [server]                       # ServerSettings, as in `expresslane serve --config`
     database = "postgresql://..."  # shared by every ingress replica
     [pools.fast]
@@ -107,6 +108,13 @@ class IngressSpec:
     port: int = 8000
     imbalance: int = 4  # requests of load a replica may carry beyond the least loaded one
     # and still win its cached prefix (fleet/router.py)
+    # "direct": each ingress replica serves HTTP on host:port itself (SO_REUSEPORT: the kernel
+    # spreads connections over a node's ingress replicas); "serve-proxy": Ray Serve's HTTP proxy
+    # listens there and forwards each request, and each streamed chunk, to an ingress replica
+    http: str = "direct"
+
+
+HTTP_MODES = ("direct", "serve-proxy")
 
 
 @dataclass
@@ -212,6 +220,8 @@ def parse_cluster(data: dict, where: str = "cluster file") -> ClusterSpec:
     )
     if "default" not in spec.tiers:
         raise ClusterFileError(f"{where}: no pool serves the default tier")
+    if spec.ingress.http not in HTTP_MODES:
+        raise ClusterFileError(f"[ingress] http must be one of {list(HTTP_MODES)}")
     return spec
 
 

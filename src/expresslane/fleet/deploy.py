@@ -1,8 +1,9 @@
 """Deploy a cluster file on Ray Serve: one deployment per pool, one ingress in front.
 
 `deploy(spec)` connects to the Ray cluster at `RAY_ADDRESS` (or starts a local one), starts
-Serve's HTTP proxy on the ingress address and runs the application `expresslane`; it returns
-the ingress URL. Running it again with a changed file updates the deployments in place (Ray
+Serve (its HTTP proxy only with `[ingress] http = "serve-proxy"`: by default the ingress
+replicas listen on the ingress address themselves) and runs the application `expresslane`; it
+returns the ingress URL. Running it again with a changed file updates the deployments in place (Ray
 Serve rolls the replicas; a replica being removed gets `DRAIN_SECONDS` to finish its work).
 
 `launch` is the command line's deploy: it checks that the file fits the Ray cluster first
@@ -23,12 +24,11 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from expresslane.fleet.capacity import shortfall
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
-from expresslane.fleet.ingress import Ingress
+from expresslane.fleet.ingress import DRAIN_SECONDS, Ingress
 from expresslane.fleet.names import APP_NAME, INGRESS, pool_deployment_name
 from expresslane.fleet.replica import EngineReplica
 from expresslane.fleet.router import PrefixAffinityRouter
 
-DRAIN_SECONDS = 60.0
 HEALTH_CHECK_SECONDS = 2.0
 
 
@@ -107,11 +107,18 @@ def deploy(spec: ClusterSpec, num_cpus: float | None = None) -> str:
     from expresslane.demo import demo_model_dir
 
     connect(num_cpus)
-    host, port = spec.ingress.host, spec.ingress.port
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(**serve_options(spec))
     model_dir = spec.model or str(demo_model_dir())
     serve.run(build_application(spec, model_dir), name=APP_NAME, route_prefix="/")
-    return f"http://{host}:{port}"
+    return f"http://{spec.ingress.host}:{spec.ingress.port}"
+
+
+def serve_options(spec: ClusterSpec) -> dict:
+    """`serve.start`'s: Serve's HTTP proxy on the ingress address, or none where the ingress
+    replicas serve HTTP themselves."""
+    if spec.ingress.http == "direct":
+        return {"proxy_location": "Disabled"}
+    return {"http_options": {"host": spec.ingress.host, "port": spec.ingress.port}}
 
 
 class DeployError(RuntimeError):
@@ -126,7 +133,7 @@ def launch(
     problem = shortfall(spec, [n["Resources"] for n in ray.nodes() if n["Alive"]])
     if problem:
         raise DeployError(problem)
-    _start_proxy(spec, say)
+    _start_serve(spec, say)
     model_dir = spec.model or _demo_model()
     done, failed = threading.Event(), []
 
@@ -144,12 +151,12 @@ def launch(
     return f"http://{spec.ingress.host}:{spec.ingress.port}"
 
 
-def _start_proxy(spec: ClusterSpec, say: Callable[[str], None]) -> None:
-    """Serve's HTTP proxy; a busy machine may not start it in Ray's time: one more try."""
-    options = {"host": spec.ingress.host, "port": spec.ingress.port}
+def _start_serve(spec: ClusterSpec, say: Callable[[str], None]) -> None:
+    """Serve (and its HTTP proxy, if used); a busy machine may not start the proxy in Ray's
+    time: one more try."""
     for attempt in (1, 2):
         try:
-            serve.start(http_options=options)
+            serve.start(**serve_options(spec))
             return
         except Exception as e:  # noqa: BLE001  (Ray raises several kinds here)
             if attempt == 2:

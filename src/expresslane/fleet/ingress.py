@@ -1,10 +1,19 @@
 """The ingress deployment: the same OpenAI API as `expresslane serve` (server/app.py), on a
-`FleetEngine` instead of a local engine, with the route of each response in its headers."""
+`FleetEngine` instead of a local engine, with the route of each response in its headers.
+
+By default each ingress replica serves HTTP itself: behind Serve's HTTP proxy every streamed
+chunk is one more Ray message between two processes, which cost 0.47 ms of CPU per token, a
+third of the fleet's transport (BENCHMARKS.md, "The fleet's token path").
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
+import ray
+import uvicorn
 from ray import serve
 
 from expresslane.fleet.cluster_file import ClusterSpec
@@ -12,6 +21,7 @@ from expresslane.fleet.remote_engine import FleetEngine, current_routes
 from expresslane.fleet.replica import replica_id
 
 ROUTE_WAIT_SECONDS = 60.0  # how long response headers wait for a replica to take the request
+DRAIN_SECONDS = 60.0  # streams in flight when an ingress replica stops (deploy.py's too)
 
 
 class RouteHeaders:
@@ -54,16 +64,79 @@ class RouteHeaders:
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, spec: ClusterSpec, model_dir: str, **pools):
-        self.spec = spec
-        self.engine = FleetEngine(spec, pools, model_dir)
+    """The OpenAI API in front of the pools. With `[ingress] http = "direct"` it listens on
+    the ingress address itself (`DirectHTTP`, started and stopped with the app's lifespan,
+    which Serve runs); with "serve-proxy", Serve's HTTP proxy forwards to it."""
 
-    def __serve_build_asgi_app__(self):
+    async def __init__(self, spec: ClusterSpec, model_dir: str, **pools):
         from expresslane.fleet.status import fleet_status
         from expresslane.server.app import create_app
         from expresslane.server.settings import ServerSettings
 
-        settings = ServerSettings(**self.spec.server)
-        app = create_app(self.engine, settings)
+        self.spec = spec
+        self.engine = FleetEngine(spec, pools, model_dir, host=ray.util.get_node_ip_address())
+        await self.engine.start()
+        app = create_app(self.engine, ServerSettings(**spec.server))
         app.add_api_route("/fleet/status", lambda: fleet_status(self.engine), methods=["GET"])
-        return RouteHeaders(app, replica_id())
+        self.served = RouteHeaders(app, replica_id())
+        self.direct: DirectHTTP | None = None
+        if spec.ingress.http == "direct":
+            app.router.lifespan_context = self._serving_directly(app.router.lifespan_context)
+
+    def __serve_build_asgi_app__(self):
+        return self.served
+
+    def _serving_directly(self, lifespan):
+        @contextlib.asynccontextmanager
+        async def serving(app):
+            async with lifespan(app):
+                self.direct = await DirectHTTP.start(
+                    self.served, self.spec.ingress.host, self.spec.ingress.port
+                )
+                try:
+                    yield
+                finally:
+                    await self.direct.stop()
+
+        return serving
+
+    def check_health(self) -> None:
+        """Serve replaces an ingress replica whose HTTP server stopped."""
+        if self.direct is not None and not self.direct.serving:
+            raise RuntimeError("the ingress's HTTP server stopped")
+
+
+class DirectHTTP:
+    """uvicorn on the ingress replica's event loop, on a socket it shares with the node's other
+    ingress replicas (SO_REUSEPORT)."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task):
+        self.server, self.task = server, task
+
+    @classmethod
+    async def start(cls, app, host: str, port: int) -> DirectHTTP:
+        sock = socket.create_server((host, port), reuse_port=True)
+        config = uvicorn.Config(
+            app,
+            lifespan="off",  # Serve runs the app's lifespan
+            log_config=None,
+            access_log=False,  # request_log.py writes one line per request
+            timeout_graceful_shutdown=DRAIN_SECONDS,
+        )
+        server = uvicorn.Server(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():  # it could not start: say why
+                task.result()
+                raise RuntimeError("the ingress's HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return cls(server, task)
+
+    @property
+    def serving(self) -> bool:
+        return not self.task.done()
+
+    async def stop(self) -> None:
+        """Stop listening; streams in flight get `DRAIN_SECONDS` to finish."""
+        self.server.should_exit = True
+        await self.task

@@ -4,7 +4,8 @@ The server code is the same as in one process (keys, rate limits, metering, the 
 store, every endpoint); only the engine differs. `make_request` validates and tokenizes here
 (`RequestFactory`, no weights needed). `enqueue` picks a pool of the request's tier in a region
 its key allows (the one with the fewest requests in flight per replica), and Ray Serve's router
-for that pool (fleet/router.py) picks the replica. A replica that fails before the request
+for that pool (fleet/router.py) picks the replica; the request's outputs come back through
+this ingress's `TokenInbox` (fleet/token_channel.py). A replica that fails before the request
 produced a token is replaced by another replica of the pool (up to `ATTEMPTS` tries); a stream
 that had started ends with an error output, and is billed for what it delivered.
 """
@@ -23,9 +24,9 @@ from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
-from expresslane.errors import ExpresslaneError
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.router import prefix_hashes
+from expresslane.fleet.token_channel import TokenInbox
 from expresslane.lanes import LANE_NAMES, LaneCounts, build_lanes
 from expresslane.model_source import resolve_model
 from expresslane.models.config import ModelConfig
@@ -60,6 +61,9 @@ class Route:
 
 
 class FleetStream:
+    """One request's outputs at the ingress: the pump (`_run`) asks a pool, retrying as the
+    module says; the replica's outputs arrive through the ingress's `TokenInbox` (`receive`)."""
+
     def __init__(self, engine: FleetEngine, req: Request, pools: list[PoolSpec], call: dict):
         self.request = req
         self.request_id = req.request_id
@@ -67,7 +71,10 @@ class FleetStream:
         self.finished = False
         self._engine, self._call = engine, call
         self._pool, self._spares = pools[0], pools[1:]  # where to go if a lent pool is busy
-        self._gen = None
+        self._response = None  # the Serve call of the current attempt
+        self._tokens = 0  # delivered by the current attempt
+        self._attempt_over = asyncio.Event()  # its last output came, or its replica was lost
+        self._lost = False
         self.aborted = False
 
     def start(self) -> None:
@@ -78,18 +85,31 @@ class FleetStream:
 
     async def _run(self) -> None:
         try:
-            async for out in self._attempts():
-                self._outputs.put_nowait(out)
-                if out.finished:
-                    return
+            await self._attempts()
         finally:
             self.route.known.set()
             self._engine.done(self)
 
+    def receive(self, out: RequestOutput, replica: str) -> None:
+        """An output of the current attempt (TokenInbox); the first names the route, and the
+        response headers go with it (so a request retried before it names its new replica)."""
+        if self.route.replica != replica or not self.route.known.is_set():
+            self.route.replica = replica
+            self._engine.routed(self)
+            self.route.known.set()
+        self._tokens += len(out.new_token_ids)
+        self._outputs.put_nowait(out)
+        if out.finished:
+            self._attempt_over.set()
+
+    def link_lost(self, replica: str) -> None:
+        self._lost = True
+        self._attempt_over.set()
+
     def cancel(self) -> None:
         self.aborted = True
-        if self._gen is not None:
-            self._gen.cancel()
+        if self._response is not None:
+            self._response.cancel()
 
     def __aiter__(self):
         return self._iterate()
@@ -105,15 +125,12 @@ class FleetStream:
                 yield out
         finally:
             if not self.finished:
-                self.cancel()  # the consumer left: Ray cancels the replica's stream
+                self.cancel()  # the consumer left: Serve cancels the call, which aborts it
 
-    async def _attempts(self):
+    async def _attempts(self) -> None:
         for attempt in range(ATTEMPTS):
-            tokens = 0
             try:
-                async for item in self._one_attempt():
-                    tokens += len(item.new_token_ids)
-                    yield item
+                await self._one_attempt(f"{self.request_id}#{attempt}")
                 return
             except _Busy:  # a pool lending idle replicas to flex is not idle: the next pool
                 self._engine.moved(self, self._spares[0])
@@ -121,36 +138,45 @@ class FleetStream:
                 self.route.pool = self._pool.name
             except Exception as e:  # the replica died or could not be reached, or aborted
                 if self.aborted:
-                    yield self._failed(None, "abort")
+                    self._outputs.put_nowait(self._failed(None, "abort"))
                     return
-                if tokens or attempt == ATTEMPTS - 1:
-                    when = "after it had started answering" if tokens else f"{ATTEMPTS} times"
-                    yield self._failed(
-                        f"the replica serving this request failed ({type(e).__name__}) "
-                        f"{when}; retry the request"
+                if self._tokens or attempt == ATTEMPTS - 1:
+                    when = "after it had started answering" if self._tokens else f"{ATTEMPTS} times"
+                    self._outputs.put_nowait(
+                        self._failed(
+                            f"the replica serving this request failed ({type(e).__name__}) "
+                            f"{when}; retry the request"
+                        )
                     )
                     return
                 log.warning("%s: retrying on another replica (%s)", self.request_id, e)
 
-    async def _one_attempt(self):
+    async def _one_attempt(self, key: str) -> None:
+        """Until the attempt's last output arrived; raises if it failed."""
         if self.aborted:
             raise _Aborted
+        inbox = self._engine.inbox
         handle = self._engine.handles[self._pool.name]
         lent = self.request.lane not in self._pool.tiers and bool(self._spares)
-        self._gen = handle.options(stream=True).generate.remote({**self._call, "lent": lent})
-        async for item in self._gen:
-            if isinstance(item, dict):
-                if item.get("busy"):
-                    self._gen.cancel()
-                    raise _Busy
-                self.route.replica = item["replica"]
+        self._attempt_over.clear()
+        self._lost, self._tokens = False, 0
+        inbox.expect(key, self)
+        try:
+            call = {**self._call, "lent": lent, "reply_to": inbox.address, "reply_key": key}
+            self._response = handle.run_request.remote(call)
+            reply = await self._response
+            if reply.get("busy"):
+                raise _Busy
+            if "error" in reply:
+                self.route.replica = reply["replica"]
                 self._engine.routed(self)
-            elif isinstance(item, ExpresslaneError):
-                yield self._failed(str(item))
+                self._outputs.put_nowait(self._failed(reply["error"]))
                 return
-            else:  # headers go with the first output: a retry before it moves them too
-                self.route.known.set()
-                yield item
+            await self._attempt_over.wait()  # the last frame may still be on its way
+            if self._lost:
+                raise ConnectionError("the replica's token connection closed")
+        finally:
+            inbox.forget(key)
 
     def _failed(self, error: str | None, reason: str = "error") -> RequestOutput:
         req = self.request
@@ -170,7 +196,14 @@ class FleetStream:
 
 
 class FleetEngine:
-    def __init__(self, spec: ClusterSpec, handles: dict, model_dir, block_size: int = 16):
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        handles: dict,
+        model_dir,
+        host: str = "127.0.0.1",
+        block_size: int = 16,
+    ):
         self.spec = spec
         self.handles = handles  # pool name -> Ray Serve DeploymentHandle
         self.block_size = block_size
@@ -188,6 +221,11 @@ class FleetEngine:
         self._pool_load: dict[str, int] = dict.fromkeys(spec.pools, 0)
         self.lane_load = LaneCounts()  # requests in flight per lane
         self._routed: dict[tuple[str, str, str], int] = {}  # (pool, replica, tier) -> requests
+        self.inbox = TokenInbox(host)
+
+    async def start(self) -> None:
+        """Open the port the replicas send tokens to (on the event loop that serves)."""
+        await self.inbox.start()
 
     # -- what the server reads ---------------------------------------------------------------
     tokenizer = property(lambda self: self.factory.tokenizer)

@@ -1,11 +1,10 @@
 """`EngineReplica`: one replica of a pool, an `LLMEngine` in a Ray Serve deployment.
 
 The ingress validated and tokenized the request (`RequestFactory`); the replica makes it again
-from the token ids (grammar matchers and detokenizers do not travel) and streams its outputs.
-The first item of every stream names the pool and replica, for the response headers (the
-ingress sends them with the first output, so a request retried before it names its new
-replica). A stream the ingress drops (client gone) is cancelled by Ray, and the request's
-stream aborts it in the engine (async_engine.py).
+from the token ids (grammar matchers and detokenizers do not travel) and runs it. Its outputs
+go to the ingress over the token channel (fleet/token_channel.py), one frame per engine step
+for all that ingress's requests; the Serve call itself stays open until the request finished.
+A call the ingress cancels (client gone) aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -13,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import threading
-from collections.abc import AsyncIterator
 
 from ray import serve
 
-from expresslane.engine.output import merge_outputs
 from expresslane.engine.submission import Submission
 from expresslane.errors import ExpresslaneError
 from expresslane.fleet.load_board import report_loop
+from expresslane.fleet.token_channel import TokenOutbox
 
 
 def replica_id() -> str:
@@ -64,6 +63,9 @@ class EngineReplica:
 
         if cpu_affinity:
             pin_process(cpu_affinity)
+        # The engine thread holds the GIL between tensor ops; by default the event loop that
+        # sends its tokens would get it only after 5 ms (as in `expresslane serve`).
+        sys.setswitchinterval(0.0005)
         torch.set_num_threads(max(1, threads))
         self.pool, self.tiers, self.stream_interval = pool, tiers, stream_interval
         self.replica = replica_id()
@@ -71,16 +73,18 @@ class EngineReplica:
         while not self.engine.ready.wait(1.0):
             if not self.engine.is_alive():
                 raise RuntimeError("the engine stopped while starting")
+        self._outboxes: dict[tuple[str, int], TokenOutbox] = {}
+        self._outbox_lock = asyncio.Lock()
         self._stop_reports = threading.Event()
         report_loop(pool, self.replica, self.record_routing_stats, self._stop_reports)
 
-    async def generate(self, call: dict) -> AsyncIterator[object]:
-        """{"pool", "replica"} first, then the request's `RequestOutput`s; or only {"busy"}
-        for work this pool lends idle capacity to (`lent`) while it has its own tiers' work."""
+    async def run_request(self, call: dict) -> dict:
+        """Run one request, its outputs going to the ingress that sent it (`reply_to`, through
+        a `TokenOutbox`); returns once it finished: {"done"}, {"error"} for a request this
+        replica cannot make, or {"busy"} for work this pool lends idle capacity to (`lent`)
+        while it has its own tiers' work. Cancelling the call aborts the request."""
         if call.get("lent") and any(self.engine.lane_load(t) for t in self.tiers):
-            yield {"busy": True}
-            return
-        yield {"pool": self.pool, "replica": self.replica}
+            return {"busy": True}
         try:
             req = self.engine.make_request(
                 Submission(
@@ -92,18 +96,34 @@ class EngineReplica:
                 )
             )
         except ExpresslaneError as e:
-            yield e
-            return
-        stream = self.engine.enqueue(req)
-        pending: list = []
-        sent_first = False
-        async for out in stream:
-            # what piled up while the last item travelled goes as one: one hop, not many
-            pending += [out, *stream.ready()]
-            gathered = sum(len(o.new_token_ids) for o in pending)
-            if not sent_first or pending[-1].finished or gathered >= self.stream_interval:
-                yield merge_outputs(pending)
-                pending, sent_first = [], True
+            return {"error": str(e), "replica": self.replica}
+        outbox = await self._outbox(call["reply_to"])
+        done = outbox.add(req.request_id, call["reply_key"])
+        self.engine.enqueue_to(req, outbox)
+        try:
+            await done
+        except BaseException:  # cancelled, or the ingress's connection is gone
+            outbox.drop(req.request_id)
+            self.engine.abort(req.request_id)
+            raise
+        return {"done": True}
+
+    async def _outbox(self, address: dict) -> TokenOutbox:
+        """The connection to an ingress, made on its first request (one at a time)."""
+        key = (address["host"], address["port"])
+        async with self._outbox_lock:
+            outbox = self._outboxes.get(key)
+            if outbox is None or outbox.closed:
+                outbox = await TokenOutbox.open(
+                    address, self.replica, self.stream_interval, self._outbox_closed
+                )
+                self._outboxes[key] = outbox
+            return outbox
+
+    def _outbox_closed(self, outbox: TokenOutbox) -> None:
+        for key, open_one in list(self._outboxes.items()):
+            if open_one is outbox:
+                del self._outboxes[key]
 
     def record_routing_stats(self) -> dict:
         """What the router may weigh beside queue lengths (fleet/router.py)."""
@@ -124,3 +144,5 @@ class EngineReplica:
         `graceful_shutdown_timeout_s` to finish)."""
         self._stop_reports.set()
         await asyncio.to_thread(self.engine.shutdown)
+        for outbox in list(self._outboxes.values()):
+            outbox.close()
