@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 
 import ray
 import uvicorn
@@ -73,6 +74,9 @@ class Ingress:
         from expresslane.server.app import create_app
         from expresslane.server.settings import ServerSettings
 
+        # Serve's router and Ray's own threads share this process's GIL with the event loop
+        # that serves: by default a waiting thread gets it only after 5 ms, a hop's delay.
+        sys.setswitchinterval(0.0005)
         self.spec = spec
         self.engine = FleetEngine(spec, pools, model_dir, host=ray.util.get_node_ip_address())
         await self.engine.start()
