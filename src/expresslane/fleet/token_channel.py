@@ -66,7 +66,7 @@ class TokenInbox:
         self.host = host
         self.secret = secrets.token_hex(SECRET_BYTES)
         self._receivers: dict[str, Receiver] = {}
-        self._links: dict[str, set[str]] = {}  # replica -> the reply keys it has sent to
+        self._senders: dict[str, str] = {}  # reply key -> the replica that sends to it
         self._server: asyncio.Server | None = None
         self._open: dict[asyncio.StreamWriter, asyncio.Task] = {}  # connections being served
         self.port = 0
@@ -84,6 +84,7 @@ class TokenInbox:
 
     def forget(self, key: str) -> None:
         self._receivers.pop(key, None)
+        self._senders.pop(key, None)
 
     async def close(self) -> None:
         """Stop listening and hang up on every replica (their connections end normally)."""
@@ -102,15 +103,12 @@ class TokenInbox:
             if not hmac.compare_digest(secret, self.secret.encode()):
                 return  # not one of ours: nothing it sent is unpickled
             replica = json.loads(who)["replica"]
-            keys = self._links.setdefault(replica, set())
             while True:
                 for key, out in pickle.loads(await read_frame(reader)):
                     receiver = self._receivers.get(key)
                     if receiver is not None:  # else a request given up on (cancelled, retried)
-                        keys.add(key)
+                        self._senders[key] = replica
                         receiver.receive(out, replica)
-                    if out.finished:
-                        keys.discard(key)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the replica went away; its streams hear of it below
         finally:
@@ -120,10 +118,8 @@ class TokenInbox:
                 self._lost(replica)
 
     def _lost(self, replica: str) -> None:
-        for key in self._links.pop(replica, set()):
-            receiver = self._receivers.get(key)
-            if receiver is not None:
-                receiver.link_lost(replica)
+        for key in [k for k, sender in self._senders.items() if sender == replica]:
+            self._receivers[key].link_lost(replica)
 
 
 # -- the replica's side -------------------------------------------------------------------------
