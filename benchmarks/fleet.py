@@ -11,22 +11,23 @@ Setups of the demo model on this machine, one after the other, same client and l
          the default pool's core (so the default pool also pays for every hop of the
          ultrafast pool's tokens)
 
-`--before REV` also runs the fleet of git revision REV (checked out as a worktree; its code is
-imported in a child process and its Ray cluster), first, so today's fleet is measured beside
-an earlier token path in one run. `--runs N` repeats everything N times. `--intervals` runs
-each fleet once per pair of the two pools' `stream_interval` (tokens a replica gathers per
-stream before a hop). Each setup runs three phases: ultrafast requests
+`--http direct,serve-proxy` runs today's fleet with its ingress replicas serving HTTP
+themselves and behind Ray Serve's HTTP proxy. `--before REV` first runs the fleet of git
+revision REV (a worktree of it, imported by a child process and its Ray cluster), so today's
+fleet is measured beside an earlier token path in one run. `--runs N` repeats everything N
+times. `--intervals` runs each fleet once per pair of the two pools' `stream_interval` (tokens
+a replica gathers per stream before a hop). Each setup runs three phases: ultrafast requests
 alone (the single-lane speed), `--streams` default streams alone (default throughput), then
-both at once. Reported per setup: ultrafast
-decode tokens/s with default traffic against alone, and default throughput with ultrafast
-traffic against alone. Then the fleet's added latency: `--probes` one-token completions, one at
-a time on an idle system, through the fleet's ingress and router against the lanes server
-(e2e p50 and p99; the difference is what the ingress, router and token path add), and the
-CPU time each part spent per default token while the default streams ran alone (from /proc);
-"transport" is the ingress's, Serve's proxy's and Ray's other processes' together.
+both at once. Reported per setup: ultrafast decode tokens/s with default traffic against
+alone, and default throughput with ultrafast traffic against alone. Then the fleet's added
+latency: `--probes` one-token completions, one at a time on an idle system, through the
+fleet's ingress and router against the lanes server (e2e p50 and p99; the difference is what
+the ingress, router and token path add), and the CPU time each part spent per default token
+while the default streams ran alone (from /proc); "transport" is the ingress's, Serve's
+proxy's and Ray's other processes' together.
 
     python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50] [--intervals 1:1,8:4]
-    python benchmarks/fleet.py --before eadec6b --runs 3
+    python benchmarks/fleet.py --before eadec6b --http direct,serve-proxy --runs 3
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def cores() -> tuple[list[int], list[int], list[int]]:
 
 
 class Fleet:
-    def __init__(self, port: int, intervals: tuple[int, int] = (1, 1)):
+    def __init__(self, port: int, intervals: tuple[int, int] = (1, 1), http: str | None = None):
         from expresslane.fleet.cluster_file import parse_cluster
         from expresslane.fleet.deploy import deploy
 
@@ -65,7 +66,8 @@ class Fleet:
         engine = {"seed": 0}
         spec = parse_cluster(
             {
-                "ingress": {"port": port, "num_cpus": 0.1},
+                # (the key is left out for code from before it existed: `--before`)
+                "ingress": {"port": port, "num_cpus": 0.1, **({"http": http} if http else {})},
                 "server": {"store_path": ":memory:", "accounts_path": ":memory:"},
                 "pools": {
                     "fast": {
@@ -216,7 +218,7 @@ async def lanes_run(args) -> dict:
 async def fleet_run(args, intervals: tuple[int, int]) -> dict:
     """One fleet of the code this process imports (run as a child: `--fleet-only`)."""
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
-        fleet = Fleet(args.port + 1, intervals)
+        fleet = Fleet(args.port + 1, intervals, args.http_mode)
         try:
             await stream(http, fleet, "default", 8, [])  # first request: handles, routers
             r = await phases(http, fleet, args)
@@ -228,12 +230,13 @@ async def fleet_run(args, intervals: tuple[int, int]) -> dict:
     return r
 
 
-def fleet_in_child(args, src: Path, intervals: tuple[int, int]) -> dict:
+def fleet_in_child(args, src: Path, intervals: tuple[int, int], http: str | None) -> dict:
     """`fleet_run` in a child process importing expresslane from `src` (so does its Ray)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fleet.json"
         cmd = [sys.executable, __file__, "--fleet-only", str(out), "--intervals"]
         cmd += [f"{intervals[0]}:{intervals[1]}", *args.passed]
+        cmd += ["--http-mode", http] if http else []
         env = {**os.environ, "PYTHONPATH": str(src)}
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out.read_text())
@@ -256,13 +259,13 @@ def worktree(rev: str) -> Path:
 def one_run(args) -> dict:
     results = {"lanes": asyncio.run(lanes_run(args))}
     here = Path(__file__).resolve().parent.parent / "src"
-    sources = ([(f"before ({args.before})", worktree(args.before))] if args.before else []) + [
-        ("fleet", here)
-    ]
-    for label, src in sources:
+    fleets = [(f"before ({args.before})", worktree(args.before), None)] if args.before else []
+    for mode in args.http:
+        fleets.append(("fleet" if mode == "direct" else f"fleet, {mode}", here, mode))
+    for label, src, mode in fleets:
         for fast, std in args.intervals:
             name = label if (fast, std) == (1, 1) else f"{label}, stream_interval {fast}/{std}"
-            results[name] = fleet_in_child(args, src, (fast, std))
+            results[name] = fleet_in_child(args, src, (fast, std), mode)
             report(name, results[name])
     p_lanes = results["lanes"]["probe"]
     for name, r in results.items():
@@ -293,10 +296,19 @@ def main() -> None:
     )
     ap.add_argument("--before", help="also run the fleet of this git revision, first")
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument(
+        "--http",
+        type=lambda text: text.split(","),
+        default=["direct"],
+        help="today's fleet once per [ingress] http mode (direct, serve-proxy)",
+    )
+    ap.add_argument("--http-mode", help=argparse.SUPPRESS)  # a child's
     ap.add_argument("--fleet-only", help=argparse.SUPPRESS)  # a child's output file
     args = ap.parse_args()
     # what a child fleet gets: every option but those that choose the runs
-    args.passed = _without(sys.argv[1:], ("--intervals", "--before", "--runs", "--fleet-only"))
+    args.passed = _without(
+        sys.argv[1:], ("--intervals", "--before", "--runs", "--fleet-only", "--http", "--http-mode")
+    )
     if args.fleet_only:
         (fast, std), *_ = args.intervals
         result = asyncio.run(fleet_run(args, (fast, std)))
