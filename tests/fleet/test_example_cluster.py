@@ -1,6 +1,7 @@
 """The shipped cluster file, started as a newcomer starts it (`expresslane cluster
 examples/cluster.toml`, a local Ray cluster of this machine's cores): it says how its pools
-come up, prints the ingress URL, and each tier is answered by its own pool."""
+come up, prints the ingress URL, and each tier is answered by its own pool, with the ingress
+serving HTTP itself or behind Ray Serve's proxy."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ pytest.importorskip("ray")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.toml"
 
 
-def test_the_example_starts_and_serves_each_tier_from_its_pool(tmp_path):
+@pytest.mark.parametrize("http", ["direct", "serve-proxy"])
+def test_the_example_starts_and_serves_each_tier_from_its_pool(tmp_path, http):
     port = free_port()
     cluster = tmp_path / "cluster.toml"
-    cluster.write_text(EXAMPLE.read_text().replace("port = 8000", f"port = {port}"))
+    ingress = f'port = {port}\nhttp = "{http}"'
+    cluster.write_text(EXAMPLE.read_text().replace("port = 8000", ingress))
     with running_cluster(cluster) as lines:
         said = "".join(lines)  # Ray's own lines may land between (or inside) the CLI's
         assert "pool fast:" in said and "pool std:" in said, said[-3000:]
