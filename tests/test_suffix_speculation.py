@@ -102,6 +102,32 @@ def test_guesses_follow_the_longest_match():
     mine.extend([7, 3, 6, 2, 3])
     proposal = p.guess([7, 3, 6, 2, 3], 4, mine, cache)
     assert (proposal.token_ids, proposal.kind) == ([8, 8], -2)
+    # as long as each other: the request's own copy wins, however often the cache saw its own
+    cache.extend([2, 3, 8, 8, SEP] * 5)
+    mine = SuffixIndex(1, 3)
+    mine.extend([2, 3, 5, 7, 2, 3])
+    proposal = p.guess([2, 3, 5, 7, 2, 3], 2, mine, cache)
+    assert (proposal.token_ids, proposal.kind) == ([5, 7], 2)
+
+
+def test_a_full_length_match_follows_the_occurrences_that_match_further_back():
+    """Of two earlier sequences that share the last max_n tokens, the one that also shares
+    the 16 before them is followed, however often the other was seen; the kind says how deep
+    the match went."""
+    p = SuffixProposer(min_n=1, max_n=4)
+    shared, mine = [50, 51, 52, 53], list(range(100, 112))
+    cache = SuffixIndex(1, 4)
+    cache.extend([*mine, *shared, 7, 7, SEP])  # the request's own history: then 7 7
+    for _ in range(3):
+        cache.extend([*range(200, 212), *shared, 9, 9, SEP])  # seen more often: then 9 9
+    own = SuffixIndex(1, 4)
+    context = [*mine, *shared]
+    own.extend(context)
+    proposal = p.guess(context, 2, own, cache)
+    assert (proposal.token_ids, proposal.kind) == ([7, 7], -16)
+    index = SuffixIndex(1, 4)
+    index.extend([1, 2, 3, 4, 5, 6])
+    assert index.depth([9, 2, 3, 4, 5], 1, 4, (16,)) == 4  # fewer than 16 tokens: n
 
 
 def test_guesses_take_the_most_frequent_continuation_for_as_long_as_it_is_frequent():

@@ -4,12 +4,16 @@ so far) and in the outputs of its owner's recent finished requests. Agent traffi
 itself (the same tool-call shapes, JSON keys and file excerpts, turn after turn), which a
 lookup inside one request cannot see across requests.
 
-A guess follows the longest matched context (at most `max_n` tokens), then the continuation
-most of its occurrences took, token by token, while at least `min_prob` of the occurrences
-agree on the whole path so far: a context always followed by the same thing yields a long
-guess, one followed by many things a short one or none. The planner then cuts it to what the
-proposal's kind is measured to be worth (`kind`: n for an n-token match in the request's own
-tokens, -n for one in the cache).
+A guess follows the longest matched context: up to `max_n` tokens through the index, and
+where all `max_n` match, as far further back as its occurrences match (16, 32 or 64 tokens:
+`DEEPER`), keeping the occurrences that match deepest, as a suffix tree's deeper node would
+(a session that repeats an earlier one follows that one, not a third that shares only the
+last words). The deeper match of the two indexes wins, the request's own on a tie (its own
+copy is the better bet). Then the continuation most of those occurrences took, token by
+token, while at least `min_prob` of them agree on the whole path so far: a context always
+followed by the same thing yields a long guess, one followed by many things a short one or
+none. The planner then cuts it to what the proposal's kind is measured to be worth (`kind`:
+the matched depth, positive in the request's own tokens, negative in the cache).
 
 The cache is per owner, the request's prefix-cache salt (the server folds the API key's owner
 into it): one key's outputs never shape another key's guesses, unless `share_across_keys`.
@@ -36,6 +40,9 @@ if TYPE_CHECKING:
     from expresslane.engine.request import Request
 
 MAX_MATCHES = 32  # occurrences of a context a guess is drawn from, newest first
+# Context lengths past max_n that a full-length match's occurrences are checked against,
+# further back (suffix.py `guess`): a deeper match is the likelier to go on.
+DEEPER = (16, 32, 64)
 # Finished requests' own indexes kept for the next turn of their session, whose prompt is
 # their tokens plus a new message: it takes one over instead of indexing the whole
 # conversation again.
@@ -135,19 +142,28 @@ class SuffixProposer:
     def guess(
         self, context: list[int], k: int, own: SuffixIndex, cached: SuffixIndex | None
     ) -> Proposal:
-        """Up to k guesses after `context`: from the longer match of the two indexes (the more
-        expected tokens on a tie, the request's own on a full tie)."""
-        best, best_rank = Proposal(), (0, 0.0)
+        """Up to k guesses after `context`: from the deeper match of the two indexes, the
+        request's own on a tie. (Ranking a tie by expected tokens let the cache's many
+        occurrences of a one-token context, where past outputs repeat a phrase, outvote the
+        request's own copy: on recorded SmolLM2 agent sessions, half the steps where n-gram
+        kept more tokens than suffix.)"""
+        best, best_rank = Proposal(), (0, 0)
         for sign, index in ((1, own), (-1, cached)):
             if index is None:
                 continue
             n, starts = index.match(context, MAX_MATCHES)
             if not starts:
                 continue
+            depth = n
+            if n == self.max_n:  # how much further back do the occurrences match?
+                depths = [index.depth(context, s, n, DEEPER) for s in starts]
+                depth = max(depths)
+                starts = [s for s, d in zip(starts, depths, strict=True) if d == depth]
             runs = [index.continuation(s + n, k) for s in starts]
-            path, expected = follow(runs, k, self.min_prob)
-            if path and (n, expected) > best_rank:
-                best, best_rank = Proposal(path, kind=sign * n), (n, expected)
+            path, _ = follow(runs, k, self.min_prob)
+            rank = (depth, sign)
+            if path and rank > best_rank:
+                best, best_rank = Proposal(path, kind=sign * depth), rank
         return best
 
 

@@ -95,6 +95,19 @@ class SuffixIndex:
             return n, starts
         return 0, []
 
+    def depth(self, context: list[int], start: int, n: int, lengths: tuple[int, ...]) -> int:
+        """How far the occurrence of context's last n tokens at absolute `start` matches the
+        context further back: the longest of `lengths` (ascending, each past n) whose last
+        tokens it matches in full, else n."""
+        end, depth = start - self.base + n, n
+        for length in lengths:
+            if length > end or length > len(context):
+                break
+            if self.tokens[end - length : end] != context[-length:]:
+                break
+            depth = length
+        return depth
+
     def continuation(self, position: int, k: int) -> list[int]:
         """Up to k tokens from absolute `position`, to the end of its sequence. One that runs
         into the end of the stream (a request's own tokens: the context itself) overlaps what
