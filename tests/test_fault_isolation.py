@@ -84,7 +84,9 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert kv.num_used_blocks == 0 and all(b.ref_count == 0 for b in kv.blocks)
     assert not engine.requests and not engine.scheduler.has_unfinished()
     for spec in engine.speculation.proposers.values():
-        assert not spec.proposer.indexes  # the n-gram proposer forgot every request
+        # the proposer forgot every request (n-gram: its indexes; suffix: those it tracks)
+        assert not getattr(spec.proposer, "indexes", None)
+        assert not getattr(spec.proposer, "tracked", None)
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ DEFAULT_LANES = {
         max_batch=4,
         price_multiplier=6.0,
         target_tokens_per_s="auto",
-        speculative={"method": "ngram", "num_tokens": 12},
+        speculative={"method": "suffix", "num_tokens": 12},
         promise=Promise(),
     ),
     "default": Lane("default", 1, max_batch=64, price_multiplier=1.0),

@@ -133,7 +133,7 @@ def _format_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="speculative decoding for every lane that sets none: ngram, suffix, draft, or a "
         'TOML table such as \'{method="draft", model="DIR", num_tokens=12}\' (ultrafast uses '
-        "ngram unless told otherwise)",
+        "suffix unless told otherwise)",
     )
     p.add_argument(
         "--lane",
