@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import sys
 
@@ -86,6 +87,9 @@ class Ingress:
         self.direct: DirectHTTP | None = None
         if spec.ingress.http == "direct":
             app.router.lifespan_context = self._serving_directly(app.router.lifespan_context)
+        # What exists now (Ray, the app, the tokenizer) lives as long as the ingress: keep it
+        # out of the garbage collector's scans, whose pauses showed in the fleet's p99 latency.
+        gc.freeze()
 
     def __serve_build_asgi_app__(self):
         return self.served
