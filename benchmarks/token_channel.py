@@ -116,7 +116,7 @@ async def main():
     await asyncio.sleep(float(sys.stdin.readline()))  # the parent's start signal
     for _ in range({steps}):
         outbox.deliver(message)
-        await outbox._writer.drain()
+        await outbox.flush()
     await asyncio.Event().wait()
 
 asyncio.run(main())

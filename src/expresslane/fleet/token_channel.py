@@ -131,7 +131,13 @@ class TokenOutbox:
     groups them: AsyncEngine.enqueue_to); it writes them as one frame. A request's tokens are
     held until `stream_interval` of them gathered (its first output and its last go at once)."""
 
-    def __init__(self, writer: asyncio.StreamWriter, stream_interval: int, on_close: Callable):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        stream_interval: int,
+        on_close: Callable,
+    ):
         self._writer = writer
         self._interval = stream_interval
         self._on_close = on_close
@@ -139,17 +145,15 @@ class TokenOutbox:
         self._held: dict[str, list[RequestOutput]] = {}
         self._sent_first: set[str] = set()
         self._done: dict[str, asyncio.Future] = {}
-        self._watch: asyncio.Future | None = None
         self.closed = False
+        self._watch = asyncio.ensure_future(self._watch_close(reader))
 
     @classmethod
     async def open(cls, address: dict, replica: str, stream_interval: int, on_close: Callable):
         reader, writer = await asyncio.open_connection(address["host"], address["port"])
         hello = address["secret"].encode() + b"\n" + json.dumps({"replica": replica}).encode()
         writer.write(frame(hello))
-        outbox = cls(writer, stream_interval, on_close)
-        outbox._watch = asyncio.ensure_future(outbox._watch_close(reader))
-        return outbox
+        return cls(reader, writer, stream_interval, on_close)
 
     def add(self, request_id: str, key: str) -> asyncio.Future:
         """Send `request_id`'s outputs under `key`; the future resolves once its last output
@@ -187,6 +191,10 @@ class TokenOutbox:
             if not done.done():
                 done.set_result(None)
 
+    async def flush(self) -> None:
+        """Until the kernel took what was written (for a sender that could outpace its reader)."""
+        await self._writer.drain()
+
     def drop(self, request_id: str) -> None:
         """Forget a request whose call ended early (cancelled): nothing more goes for it."""
         self._keys.pop(request_id, None)
@@ -205,7 +213,7 @@ class TokenOutbox:
             return
         self.closed = True
         self._writer.close()
-        if self._watch is not None and self._watch is not asyncio.current_task():
+        if self._watch is not asyncio.current_task():
             self._watch.cancel()
         for done in self._done.values():
             if not done.done():
