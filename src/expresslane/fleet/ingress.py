@@ -89,7 +89,8 @@ class Ingress:
         if spec.ingress.http == "direct":
             app.router.lifespan_context = self._serving_directly(app.router.lifespan_context)
         # What exists now (Ray, the app, the tokenizer) lives as long as the ingress: keep it
-        # out of the garbage collector's scans, whose pauses showed in the fleet's p99 latency.
+        # out of the garbage collector's scans, whose pauses are latency spikes (as in
+        # AsyncEngine; in an A/B here, probe p99 15-17 ms against 21 without).
         gc.freeze()
 
     def __serve_build_asgi_app__(self):
