@@ -111,6 +111,19 @@ def machine() -> dict:
     }
 
 
+def process_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's (command line, CPU seconds so far), from /proc (Linux)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        out[int(pid)] = (cmd, (int(stat[11]) + int(stat[12])) / tick)
+    return out
+
+
 def save_results(name: str, results: dict) -> Path:
     """benchmarks/results/NAME.json, or under $EXPRESSLANE_RESULTS_DIR (the GPU check's)."""
     folder = os.environ.get("EXPRESSLANE_RESULTS_DIR")

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import machine, save_results
+from common import machine, process_cpu_seconds, save_results
 from tiers import Server, count_between, percentile, stream
 
 
@@ -117,20 +117,14 @@ PARTS = {  # a process's command line -> the part of the fleet it is
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds so far per part of the fleet (this client, Ray's other processes)."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(pid) == os.getpid():
+    for pid, (cmd, seconds) in process_cpu_seconds().items():
+        if pid == os.getpid():
             part = "client"
         elif "ray" in cmd:
             part = next((v for k, v in PARTS.items() if k in cmd), "Ray (other)")
         else:
             continue
-        out[part] = out.get(part, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+        out[part] = out.get(part, 0.0) + seconds
     return out
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import machine, save_results
+from common import machine, process_cpu_seconds, save_results
 
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.request import RequestMetrics
@@ -40,27 +40,25 @@ def step_message(batch: int) -> list[RequestOutput]:
 
 def cpu_seconds(pids: set[int]) -> float:
     """CPU seconds so far of `pids` and every Ray process."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_text()
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(pid) in pids or "ray" in cmd:
-            total += (int(stat[11]) + int(stat[12])) / tick
-    return total
+    return sum(
+        seconds
+        for pid, (cmd, seconds) in process_cpu_seconds().items()
+        if pid in pids or "ray" in cmd
+    )
+
+
+def rates(cpu_s: float, wall_s: float, steps: int, batch: int) -> dict:
+    return {
+        "cpu_us_per_message": 1e6 * cpu_s / steps,
+        "cpu_us_per_token": 1e6 * cpu_s / (steps * batch),
+        "wall_us_per_message": 1e6 * wall_s / steps,
+    }
 
 
 def measure(run, pids: set[int], steps: int, batch: int) -> dict:
     cpu0, t0 = cpu_seconds(pids), time.perf_counter()
     run()
-    cpu1, t1 = cpu_seconds(pids), time.perf_counter()
-    return {
-        "cpu_us_per_message": 1e6 * (cpu1 - cpu0) / steps,
-        "cpu_us_per_token": 1e6 * (cpu1 - cpu0) / (steps * batch),
-        "wall_us_per_message": 1e6 * (t1 - t0) / steps,
-    }
+    return rates(cpu_seconds(pids) - cpu0, time.perf_counter() - t0, steps, batch)
 
 
 def ray_channels(steps: int, batch: int) -> dict:
@@ -158,11 +156,7 @@ def socket_channel(steps: int, batch: int) -> dict:
         cpu1, t1 = cpu_seconds(pids), time.perf_counter()
         child.kill()
         await inbox.close()
-        return {
-            "cpu_us_per_message": 1e6 * (cpu1 - cpu0) / steps,
-            "cpu_us_per_token": 1e6 * (cpu1 - cpu0) / (steps * batch),
-            "wall_us_per_message": 1e6 * (t1 - t0) / steps,
-        }
+        return rates(cpu1 - cpu0, t1 - t0, steps, batch)
 
     return {"socket": asyncio.run(run())}
 
