@@ -164,7 +164,7 @@ class FleetStream:
         try:
             call = {**self._call, "lent": lent, "reply_to": inbox.address, "reply_key": key}
             self._response = handle.run_request.remote(call)
-            reply = await self._response
+            reply = await self._reply(self._response)
             if reply.get("busy"):
                 raise _Busy
             if "error" in reply:
@@ -177,6 +177,21 @@ class FleetStream:
                 raise ConnectionError("the replica's token connection closed")
         finally:
             inbox.forget(key)
+
+    async def _reply(self, response) -> dict:
+        """The replica's answer to the call, or {"done"} once the attempt's last output came:
+        the call's return may trail its last frame, and until the attempt is over the
+        request counts as in flight (a lent pool would look busy to the next request)."""
+        reply = asyncio.ensure_future(response)
+        over = asyncio.ensure_future(self._attempt_over.wait())
+        try:
+            await asyncio.wait([reply, over], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            over.cancel()
+        if self._attempt_over.is_set():
+            reply.add_done_callback(_outcome_ignored)
+            return {"done": True}
+        return reply.result()
 
     def _failed(self, error: str | None, reason: str = "error") -> RequestOutput:
         req = self.request
@@ -341,6 +356,11 @@ class FleetEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.cancel()
+
+
+def _outcome_ignored(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it
 
 
 def _ingress_lanes(spec: ClusterSpec) -> dict:
