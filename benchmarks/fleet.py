@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -128,7 +129,9 @@ async def ultrafast_requests(http, server, args, results: list, seconds: float =
     while len(results) < args.ultrafast or time.perf_counter() - start < seconds:
         stamps: list[float] = []
         await lean_stream(http, server, "ultrafast", args.ultrafast_tokens, stamps)
-        results.append(((len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0], stamps[-1]))
+        span = stamps[-1] - stamps[0]  # 0 where all its tokens came in one read (a stall)
+        speed = (len(stamps) - 1) / span if span > 0 else math.inf  # (medians are taken)
+        results.append((speed, stamps[0], stamps[-1]))
 
 
 TRANSPORT = ("ingress", "Serve proxy", "Ray (other)")
