@@ -449,7 +449,7 @@ def test_bf16_rows_attend_exactly_as_their_float32_values(d):
 
 @needs_kernels
 @pytest.mark.parametrize("store_name", ["PlainKV", "Bf16KV", "Fp8KV", "Fp4KV"])
-@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("q_len", [1, 4, 13])
 def test_decode_attention_matches_the_torch_path(store_name, q_len):
     """The C++ decode attention the Python layers use for batches past the native step's
     (kernels.decode_attention) against the padded gather + matmul path: 12 sequences of
@@ -637,22 +637,28 @@ def test_a_decode_row_attends_the_same_alone_and_in_a_batch(heads, kv_heads, d, 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d"), [(6, 2, 64), (4, 2, 32), (4, 1, 128), (3, 3, 64)]
 )
-def test_verification_rows_attend_bit_identically_to_decode_rows(heads, kv_heads, d):
-    """A verification's query rows (scored in pairs that share key loads) give exactly what
-    each gives decoded alone: greedy output with speculation depends on it."""
+@pytest.mark.parametrize("kind", ["float32", "bf16"])
+def test_verification_rows_attend_bit_identically_to_decode_rows(heads, kv_heads, d, kind):
+    """A verification's query rows (scored and weighed in groups that share key and value
+    loads) give exactly what each gives decoded alone: greedy output with speculation
+    depends on it."""
+    from expresslane.kernels.constants import KVKind
+
     g = torch.Generator().manual_seed(d + heads)
     slots_total = 2100
     cache = torch.randn(2, kv_heads, slots_total, d, generator=g)
+    kind_id = 0 if kind == "float32" else int(KVKind.BF16)
+    native = [cache] if kind == "float32" else [cache.bfloat16()]
     for start in (0, 7, 8, 15, 16, 200, 333, 1019, 1024, 2046):  # and past key segments
         for q_len in (1, 2, 3, 5, 9, 13):
             slots = torch.randperm(slots_total, generator=g)[: start + q_len]
             q = torch.randn(q_len, heads, d, generator=g)
             length = start + q_len
             together = kernels.decode_attention(
-                q, [cache], 0, slots, length, q_len, torch.tensor([start])
+                q, native, kind_id, slots, length, q_len, torch.tensor([start])
             )
             for j in range(q_len):
                 alone = kernels.decode_attention(
-                    q[j : j + 1], [cache], 0, slots, length, 1, torch.tensor([start + j])
+                    q[j : j + 1], native, kind_id, slots, length, 1, torch.tensor([start + j])
                 )
                 assert torch.equal(together[j], alone[0]), (start, q_len, j)

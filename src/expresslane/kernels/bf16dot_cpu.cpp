@@ -12,6 +12,11 @@
 //
 // x is rounded to bf16 (round to nearest even), as oneDNN's bf16 matmul does for the larger
 // batches; products are exact in float32 and summed in float32.
+//
+// Weights that come from memory (SmolLM2-135M's 270 MB) are prefetched a tile ahead: a tile
+// reads NB streams 18 KB apart, each crossing a 4 KB page (where the hardware prefetchers
+// stop) every 64 pairs, so a compute-bound tile (5+ rows) stalled on each. Linears and head of
+// a 5-row verification took 12.3 against 14.8 ms on a Zen 4 core, 9 rows 16.2 against 20.4.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -37,7 +42,11 @@ inline void tile(const uint32_t* xp, const __m512i* w, int64_t K2, float* y, int
   const __m512i* wb = w + b0 * K2;
   for (int64_t kp = 0; kp < K2; ++kp) {
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(wb + j * K2 + kp);
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm512_load_si512(wb + j * K2 + kp);
+      // the next tile's line into L2 (past W's end too: a prefetch does not fault)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K2 + kp), _MM_HINT_T1);
+    }
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * K2 + kp]));
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
