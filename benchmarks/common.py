@@ -61,6 +61,28 @@ TINY_LLAMA = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+PROMPT = 'def parse_config(path):\n    """Read the config file at *path*."""\n'
+
+
+def stream_body(model: str, tier: str, max_tokens: int) -> dict:
+    """A streamed completion of `PROMPT` on `tier`, each event's logprobs naming its tokens."""
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "service_tier": tier,
+    }
+
+
+def event_tokens(data: str | bytes) -> int:
+    """How many tokens one completion chunk (an SSE event's JSON) carries."""
+    lp = json.loads(data)["choices"][0].get("logprobs") or {}
+    return len(lp.get("tokens") or [])
+
+
 def real_smollm2() -> Path:
     """SmolLM2-135M-Instruct as transformers saves it (fetched once: tests/real_model.py)."""
     import sys

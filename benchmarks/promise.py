@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 
 import httpx
-from common import machine, save_results
+from common import event_tokens, machine, save_results, stream_body
 
 from expresslane.cli import main as cli
 
-PROMPT = 'def parse_config(path):\n    """Read the config file at *path*."""\n'
 PRICES = {"input": 0.10, "cached": 0.025, "output": 0.40}  # the defaults, per 1M tokens
 MULTIPLIER = {"ultrafast": 6.0, "default": 1.0, "flex": 0.5}
 
@@ -90,15 +89,7 @@ def auth(key: str) -> dict:
 async def request(http, server, key: str, tier: str, max_tokens: int, stamps=None) -> dict:
     """One streamed completion: when its answer began, its status and served tier, and a
     timestamp per received token (appended to `stamps` as they come, if given)."""
-    body = {
-        "model": server.model,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "logprobs": 0,
-        "ignore_eos": True,
-        "service_tier": tier,
-    }
+    body = stream_body(server.model, tier, max_tokens)
     sent = time.perf_counter()
     out = {"sent": sent, "stamps": [] if stamps is None else stamps}
     async with http.stream(
@@ -110,8 +101,7 @@ async def request(http, server, key: str, tier: str, max_tokens: int, stamps=Non
         out["retry_after"] = float(r.headers.get("retry-after", 0))
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
-                out["stamps"] += [time.perf_counter()] * len(lp.get("tokens") or [])
+                out["stamps"] += [time.perf_counter()] * event_tokens(line[6:])
     return out
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -36,9 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import machine, save_results
-
-PROMPT = 'def parse_config(path):\n    """Read the config file at *path*."""\n'
+from common import event_tokens, machine, save_results, stream_body
 
 
 class Server:
@@ -84,23 +81,12 @@ def _targets(metrics: str) -> dict[str, float]:
 
 async def stream(http, server, tier: str, max_tokens: int, stamps: list[float]) -> None:
     """One streamed completion; appends a timestamp per received token to `stamps`."""
-    body = {
-        "model": server.model,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "logprobs": 0,
-        "ignore_eos": True,
-        "service_tier": tier,
-    }
+    body = stream_body(server.model, tier, max_tokens)
     async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
-            stamps.extend([now] * len(lp.get("tokens") or []))
+            if line.startswith("data: {"):
+                stamps.extend([time.perf_counter()] * event_tokens(line[6:]))
 
 
 async def default_worker(http, server, args, stamps: list[float], stop: asyncio.Event):
