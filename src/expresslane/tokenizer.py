@@ -78,6 +78,7 @@ class Tokenizer:
         self._templates = {name: _environment().from_string(t) for name, t in sources.items()}
         # the template tools are rendered with: "tool_use" where the model has one
         self.chat_template_source = sources.get("tool_use", sources.get("default"))
+        self._texts: dict[int, str] = {}  # token id -> its text alone (logprobs name each token)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -114,6 +115,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (as logprobs name it); remembered, as
+        streamed logprobs ask for every token again."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self,

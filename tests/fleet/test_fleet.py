@@ -238,7 +238,14 @@ def test_streams_metrics_and_status(fleet):
     ) as r:
         assert r.headers["x-expresslane-pool"] == "fast"
         assert "[DONE]" in r.read().decode()
-    metrics = httpx.get(fleet["url"] + "/metrics", timeout=30).text
+    # Each ingress replica counts what it routed, and a new connection may reach either: ask
+    # both pools through fresh connections until the replica answering /metrics has routed both.
+    for _ in range(20):
+        for tier in ("ultrafast", "default"):
+            assert chat(client(fleet), tier).headers["x-expresslane-pool"]
+        metrics = httpx.get(fleet["url"] + "/metrics", timeout=30).text
+        if 'pool="fast"' in metrics and 'pool="std"' in metrics:
+            break
     assert 'pool="fast"' in metrics and 'pool="std"' in metrics
     out = subprocess.run(
         [sys.executable, "-m", "expresslane.cli", "cluster", "status", "--url", fleet["url"]],

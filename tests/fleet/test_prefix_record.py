@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from expresslane.fleet.router import PrefixRecord, prefix_hashes  # noqa: E402
+from expresslane.fleet.records import PrefixRecord  # noqa: E402
+from expresslane.fleet.router import prefix_hashes  # noqa: E402
 
 BLOCK = 4
 

@@ -49,7 +49,7 @@ def _pool_app(spec: ClusterSpec, pool: PoolSpec):
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={
                 "imbalance": spec.ingress.imbalance,
-                "index_name": f"expresslane-prefixes-{pool.name}",
+                "pool": pool.name,
             },
         ),
         health_check_period_s=HEALTH_CHECK_SECONDS,

@@ -2,10 +2,11 @@
 
 Each call carries `prefix_hashes`, the chained hashes of its prompt's full KV blocks
 (`prefix_hashes` below, the same blocks the engine's prefix cache keys on). The routers
-of all ingress replicas share one record (`PrefixIndex`, a named Ray actor per pool) of the
-replica each block was last sent to. A request goes to the replica holding the
-longest run of its leading blocks, unless that replica carries more than `imbalance` requests
-beyond the least loaded one; then, and for prompts nothing matches, to the least loaded one.
+of all ingress replicas share one record per pool (`PrefixRecord`, in the fleet's records
+actor: records.py) of the replica each block was last sent to. A request goes to the replica
+holding the longest run of its leading blocks, unless that replica carries more than
+`imbalance` requests beyond the least loaded one; then, and for prompts nothing matches, to
+the least loaded one.
 So a conversation continued with `previous_response_id` returns to the replica that has its
 earlier turns cached, and a hot prefix cannot pile every request onto one replica. The record
 is approximate (as SGLang's cache-aware router): a wrong guess costs a prefill, never a wrong
@@ -16,14 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict
 
-import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from expresslane.fleet.names import shared_actor
-
-MAX_BLOCKS = 200_000  # remembered block owners (LRU); ~40 bytes of hash each
+from expresslane.fleet.records import records
 
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
@@ -38,38 +35,11 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
     return out
 
 
-class PrefixRecord:
-    """Which replica each prompt block last went to. Run as the `PrefixIndex` actor (one per
-    pool) it is shared by every ingress replica's router, so a conversation continued through
-    another ingress replica still finds its replica."""
-
-    def __init__(self):
-        self.owners: OrderedDict[str, str] = OrderedDict()
-
-    def owner_depths(self, hashes: list[str]) -> dict[str, int]:
-        """For each replica, how many leading blocks its deepest recorded block covers."""
-        depths: dict[str, int] = {}
-        for depth, h in enumerate(hashes, start=1):
-            owner = self.owners.get(h)
-            if owner is not None:
-                depths[owner] = depth
-        return depths
-
-    def record(self, hashes: list[str], replica: str) -> None:
-        for h in hashes:
-            self.owners[h] = replica
-            self.owners.move_to_end(h)
-        while len(self.owners) > MAX_BLOCKS:
-            self.owners.popitem(last=False)
-
-
-PrefixIndex = ray.remote(num_cpus=0)(PrefixRecord)
-
-
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4, index_name: str = "expresslane-prefixes"):
+    def initialize_state(self, imbalance: int = 4, pool: str = ""):
         self._imbalance = imbalance
-        self._index = shared_actor(PrefixIndex, index_name)
+        self._pool = pool
+        self._records = records()
 
     def _load(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
@@ -85,7 +55,7 @@ class PrefixAffinityRouter(RequestRouter):
         hashes = _hashes(pending_request)
         if not hashes:
             return [by_load]
-        depths = await self._index.owner_depths.remote(hashes)
+        depths = await self._records.owner_depths.remote(self._pool, hashes)
         held = [r for r in candidate_replicas if depths.get(r.replica_id.unique_id)]
         held.sort(key=lambda r: -depths[r.replica_id.unique_id])
         if held and self._load(held[0]) <= self._load(by_load[0]) + self._imbalance:
@@ -96,7 +66,7 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         hashes = _hashes(pending_request)
         if hashes:
-            self._index.record.remote(hashes, replica_id.unique_id)
+            self._records.record.remote(self._pool, hashes, replica_id.unique_id)
 
 
 def _hashes(pending_request: PendingRequest | None) -> list[str]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import ray
 from ray import serve
 
-from expresslane.fleet.load_board import board
 from expresslane.fleet.names import APP_NAME, pool_deployment_name
+from expresslane.fleet.records import records
 from expresslane.fleet.remote_engine import FleetEngine
 
 
 def fleet_status(engine: FleetEngine) -> dict:
     deployments = serve.status().applications[APP_NAME].deployments
-    loads = ray.get(board().pools.remote(), timeout=10)
+    loads = ray.get(records().pools.remote(), timeout=10)
     pools = []
     for pool in engine.spec.pools.values():
         d = deployments.get(pool_deployment_name(pool.name))

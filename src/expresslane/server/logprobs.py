@@ -6,7 +6,7 @@ from __future__ import annotations
 def token_text(tokenizer, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.token_text(token_id)
 
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:

@@ -148,40 +148,23 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds",
-            "Time to first token",
-            LABELS,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS
         )
-        self.tpot = Histogram(
-            P + "request_time_per_output_token_seconds",
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds",
             "Mean time per output token after the first, per request",
-            LABELS,
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
-        self.itl = Histogram(
-            P + "inter_token_latency_seconds",
-            "Gaps between streamed tokens",
-            LABELS,
-            buckets=TPOT_BUCKETS,
-            registry=r,
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Gaps between streamed tokens", TPOT_BUCKETS
         )
-        self.e2e = Histogram(
-            P + "e2e_request_latency_seconds",
-            "End-to-end request latency",
-            LABELS,
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self._itl_by_tier: dict = {}
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS
         )
-        self.queue = Histogram(
-            P + "request_queue_time_seconds",
-            "Time waiting to be scheduled",
-            LABELS,
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self.queue = self._histogram(
+            "request_queue_time_seconds", "Time waiting to be scheduled", E2E_BUCKETS
         )
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prompt tokens processed", LABELS, registry=r
@@ -205,8 +188,13 @@ class ServerMetrics:
         if engine is not None:
             r.register(_EngineCollector(engine, model_name))
 
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(P + name, doc, LABELS, buckets=buckets, registry=self.registry)
+
     def observe_gap(self, tier: str, seconds: float, tokens: int) -> None:
-        h = self.itl.labels(self.model_name, tier)
+        h = self._itl_by_tier.get(tier)  # (per streamed output: `labels` costs as much again)
+        if h is None:
+            h = self._itl_by_tier[tier] = self.itl.labels(self.model_name, tier)
         for _ in range(max(tokens, 1)):
             h.observe(seconds / max(tokens, 1))
 
