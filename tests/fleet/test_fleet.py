@@ -143,6 +143,23 @@ def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
     _wait(lambda: chat(c, "flex").headers["x-expresslane-pool"] == "fast", 30)
 
 
+def test_a_client_leaving_mid_stream_frees_its_replica(fleet):
+    """A client leaving mid-stream leaves nothing running or holding KV blocks in the replica
+    (its disconnect cancels the ingress's Serve call, which aborts the request there), and the
+    ledger bills what was sent, once, as an abort."""
+    with long_stream(client(fleet), "ultrafast") as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if '"content"' in line)
+    completion_id = json.loads(first.removeprefix("data: "))["id"]
+    fast = serve.get_deployment_handle(pool_deployment_name("fast"), APP_NAME)
+    idle = {"running": 0, "waiting": 0, "kv_used_blocks": 0}
+    _wait(lambda: fast.record_routing_stats.remote().result() == idle, 60)
+    ledger = Ledger(connect(fleet["database"]))
+    _wait(lambda: ledger.rows(completion_id), 60)
+    [row] = ledger.rows(completion_id)
+    assert row["status"] == "abort" and 0 < row["output_tokens"] < 1900
+
+
 def _status(fleet) -> dict:
     pools = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()["pools"]
     return {p["name"]: p for p in pools}

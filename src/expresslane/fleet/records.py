@@ -3,8 +3,8 @@ each pool's `PrefixRecord` (which replica each prompt block last went to, for ro
 the `LoadRecord` (what each engine replica last reported running, for load_board.py and
 `expresslane cluster status`).
 
-One actor rather than one per pool and one for loads: an idle Ray actor costs about 6 ms of
-CPU a second (its core worker's timers), which a busy fleet pays per streamed token
+One actor rather than one per pool and one for loads: an idle Ray actor costs 6-9 ms of CPU
+a second (its core worker's timers), which a busy fleet pays per streamed token
 (BENCHMARKS.md, "The fleet's token path"). Both records are plain Python, tested without Ray.
 """
 
