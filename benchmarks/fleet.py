@@ -22,11 +22,11 @@ alone (the single-lane speed), `--streams` default streams alone (default throug
 window of 8 requests, 1-2 s, moved default's kept share by ±20% between runs). Reported per
 setup: ultrafast decode tokens/s with default traffic against alone, and default throughput
 with ultrafast traffic against alone. Then the fleet's added latency: `--probes` one-token
-completions, one at a time on an idle system, through the fleet's ingress and router against
-the lanes server (e2e p50 and p99; the difference is what the ingress, router and token path
-add), and the CPU time each part spent per default token while the default streams ran alone
-(from /proc); "transport" is the ingress's, Serve's proxy's and Ray's other processes'
-together.
+completions, one at a time on an idle system, through the fleet's ingress and router, taking
+turns with the same probes to the lanes server, which stays up through the run (e2e p50 and
+p99; the difference is what the ingress, router and token path add), and the CPU time each
+part spent per default token while the default streams ran alone (from /proc); "transport" is
+the ingress's, Serve's proxy's and Ray's other processes' together.
 
     python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50] [--intervals 1:1,8:4]
     python benchmarks/fleet.py --before eadec6b --http direct,serve-proxy --runs 3
@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -57,6 +58,14 @@ def cores() -> tuple[list[int], list[int], list[int]]:
     mine = sorted(os.sched_getaffinity(0))
     fast, std, rest = mine[:1], mine[1:2] or mine[:1], mine[2:]
     return fast, std, rest or std
+
+
+@dataclass
+class Lanes:
+    """The lanes server, as a fleet's child process reaches it for the probes."""
+
+    url: str
+    model: str
 
 
 class Fleet:
@@ -196,19 +205,21 @@ async def _phases(http, server, args) -> dict:
 SETTLE_PROBES = 5  # uncounted: the first probes after the phases wait on the cancelled streams
 
 
-async def probe(http, server, n: int) -> dict:
-    """e2e seconds of one-token completions, one at a time, once the system is idle (the
+async def probe(http, servers: list, n: int) -> list[dict]:
+    """e2e p50 and p99 of one-token completions, one at a time, once the system is idle (the
     phases' streams were just cancelled: the first probe after them waited 60 ms on their
-    aborts in a fleet, against 6-12 ms for the others)."""
-    times = []
-    body = {"model": server.model, "prompt": "def f():", "max_tokens": 1, "temperature": 0}
+    aborts in a fleet, against 6-12 ms for the others). With several servers the probes take
+    turns, so a difference between them is not the machine changing between two runs."""
+    times: list[list[float]] = [[] for _ in servers]
     for i in range(SETTLE_PROBES + n):
-        t0 = time.perf_counter()
-        r = await http.post(server.url + "/v1/completions", json=body)
-        r.raise_for_status()
-        if i >= SETTLE_PROBES:
-            times.append(time.perf_counter() - t0)
-    return {"p50_ms": 1000 * percentile(times, 50), "p99_ms": 1000 * percentile(times, 99)}
+        for server, kept in zip(servers, times, strict=True):
+            body = {"model": server.model, "prompt": "def f():", "max_tokens": 1, "temperature": 0}
+            t0 = time.perf_counter()
+            r = await http.post(server.url + "/v1/completions", json=body)
+            r.raise_for_status()
+            if i >= SETTLE_PROBES:
+                kept.append(time.perf_counter() - t0)
+    return [{"p50_ms": 1000 * percentile(t, 50), "p99_ms": 1000 * percentile(t, 99)} for t in times]
 
 
 def report(name: str, r: dict) -> None:
@@ -221,22 +232,21 @@ def report(name: str, r: dict) -> None:
         f"p99 {r['probe']['p99_ms']:.1f} ms",
         flush=True,
     )
+    if "lanes_probe" in r:
+        lanes = r["lanes_probe"]
+        print(f"       lanes in turn: p50 {lanes['p50_ms']:.1f} ms p99 {lanes['p99_ms']:.1f} ms")
     cpu = sorted(r["cpu_ms_per_default_token"].items(), key=lambda kv: -kv[1])
     print("       CPU ms per default token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
     if "transport_ms_per_token" in r:
         print(f"       transport CPU ms per default token: {r['transport_ms_per_token']:.3f}")
 
 
-async def lanes_run(args) -> dict:
+async def lanes_run(args, lanes: Server) -> dict:
+    """The lanes server's phases; it stays up for the fleets' probes to take turns with."""
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=200)) as http:
-        args.model = None
-        lanes = Server(args, args.port, [])
-        try:
-            await lanes.ready(http)
-            r = await phases(lanes, args)
-            r["probe"] = await probe(http, lanes, args.probes)
-        finally:
-            lanes.stop()
+        await lanes.ready(http)
+        r = await phases(lanes, args)
+        [r["probe"]] = await probe(http, [lanes], args.probes)
     report("lanes", r)
     return r
 
@@ -248,7 +258,8 @@ async def fleet_run(args, intervals: tuple[int, int]) -> dict:
         try:
             await stream(http, fleet, "default", 8, [])  # first request: handles, routers
             r = await phases(fleet, args)
-            r["probe"] = await probe(http, fleet, args.probes)
+            lanes = Lanes(args.lanes_url, fleet.model)
+            r["probe"], r["lanes_probe"] = await probe(http, [fleet, lanes], args.probes)
         finally:
             fleet.stop()
     cpu = r["cpu_ms_per_default_token"]
@@ -256,12 +267,14 @@ async def fleet_run(args, intervals: tuple[int, int]) -> dict:
     return r
 
 
-def fleet_in_child(args, src: Path, intervals: tuple[int, int], http: str | None) -> dict:
+def fleet_in_child(
+    args, src: Path, intervals: tuple[int, int], http: str | None, lanes_url: str
+) -> dict:
     """`fleet_run` in a child process importing expresslane from `src` (so does its Ray)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fleet.json"
-        cmd = [sys.executable, __file__, "--fleet-only", str(out), "--intervals"]
-        cmd += [f"{intervals[0]}:{intervals[1]}", *args.passed]
+        cmd = [sys.executable, __file__, "--fleet-only", str(out), "--lanes-url", lanes_url]
+        cmd += ["--intervals", f"{intervals[0]}:{intervals[1]}", *args.passed]
         cmd += ["--http-mode", http] if http else []
         env = {**os.environ, "PYTHONPATH": str(src)}
         subprocess.run(cmd, env=env, check=True)
@@ -282,20 +295,32 @@ def worktree(rev: str) -> Path:
     return path / "src"
 
 
-def one_run(args) -> dict:
-    results = {"lanes": asyncio.run(lanes_run(args))}
+def fleet_runs(args, lanes_url: str) -> dict:
+    """Each fleet of the run (`--before`, then today's per `--http` mode and `--intervals`)."""
     here = Path(__file__).resolve().parent.parent / "src"
     fleets = [(f"before ({args.before})", worktree(args.before), None)] if args.before else []
     for mode in args.http:
         fleets.append(("fleet" if mode == "direct" else f"fleet, {mode}", here, mode))
+    results = {}
     for label, src, mode in fleets:
         for fast, std in args.intervals:
             name = label if (fast, std) == (1, 1) else f"{label}, stream_interval {fast}/{std}"
-            results[name] = fleet_in_child(args, src, (fast, std), mode)
+            results[name] = fleet_in_child(args, src, (fast, std), mode, lanes_url)
             report(name, results[name])
-    p_lanes = results["lanes"]["probe"]
+    return results
+
+
+def one_run(args) -> dict:
+    args.model = None
+    lanes = Server(args, args.port, [])
+    try:
+        results = {"lanes": asyncio.run(lanes_run(args, lanes))}
+        results.update(fleet_runs(args, lanes.url))
+    finally:
+        lanes.stop()
     for name, r in results.items():
         if name != "lanes":
+            p_lanes = r["lanes_probe"]  # taken in turns with this fleet's probes
             r["added_ms"] = {q: r["probe"][f"{q}_ms"] - p_lanes[f"{q}_ms"] for q in ("p50", "p99")}
             print(
                 f"{name}: added latency p50 {r['added_ms']['p50']:.1f} ms, "
@@ -330,6 +355,7 @@ def main() -> None:
     )
     ap.add_argument("--http-mode", help=argparse.SUPPRESS)  # a child's
     ap.add_argument("--fleet-only", help=argparse.SUPPRESS)  # a child's output file
+    ap.add_argument("--lanes-url", help=argparse.SUPPRESS)  # a child's: the lanes server
     args = ap.parse_args()
     # what a child fleet gets: every option but those that choose the runs
     args.passed = _without(
