@@ -192,7 +192,7 @@ class ServerMetrics:
         return Histogram(P + name, doc, LABELS, buckets=buckets, registry=self.registry)
 
     def observe_gap(self, tier: str, seconds: float, tokens: int) -> None:
-        h = self._itl_by_tier.get(tier)  # (per streamed output: `labels` costs as much again)
+        h = self._itl_by_tier.get(tier)  # `labels` per streamed output cost more than observing
         if h is None:
             h = self._itl_by_tier[tier] = self.itl.labels(self.model_name, tier)
         for _ in range(max(tokens, 1)):
