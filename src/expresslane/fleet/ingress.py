@@ -21,6 +21,7 @@ from ray import serve
 from expresslane.fleet.cluster_file import ClusterSpec
 from expresslane.fleet.remote_engine import FleetEngine, current_routes
 from expresslane.fleet.replica import replica_id
+from expresslane.server.sse import SERVER_SEND
 
 ROUTE_WAIT_SECONDS = 60.0  # how long response headers wait for a replica to take the request
 DRAIN_SECONDS = 60.0  # streams in flight when an ingress replica stops (deploy.py's too)
@@ -41,6 +42,7 @@ class RouteHeaders:
             return await self.app(scope, receive, send)
         routes: list = []
         token = current_routes.set(routes)
+        scope.setdefault(SERVER_SEND, send)
 
         async def send_with_route(message):
             if message["type"] == "http.response.start":

@@ -80,7 +80,8 @@ class FleetStream:
     def start(self) -> None:
         """Ask the pool now (on the running event loop), not when the consumer first reads:
         the response headers wait for the route, and a stream's body is read after them."""
-        self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._outputs: list[RequestOutput] = []  # arrived, not yet read
+        self._arrived: asyncio.Future | None = None  # what the reader waits on
         self._pump = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -98,7 +99,7 @@ class FleetStream:
             self._engine.routed(self)
             self.route.known.set()
         self._tokens += len(out.new_token_ids)
-        self._outputs.put_nowait(out)
+        self._put(out)
         if out.finished:
             self._attempt_over.set()
 
@@ -114,12 +115,22 @@ class FleetStream:
     def __aiter__(self):
         return self._iterate()
 
+    def _put(self, out: RequestOutput) -> None:
+        """For the reader; nothing after a last output (a list and a future: an asyncio.Queue
+        cost twice as much per token)."""
+        if self._outputs and self._outputs[-1].finished:
+            return
+        self._outputs.append(out)
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
     async def _iterate(self):
         try:
             while not self.finished:
-                outs = [await self._outputs.get()]
-                while not outs[-1].finished and not self._outputs.empty():
-                    outs.append(self._outputs.get_nowait())  # the server fell behind
+                if not self._outputs:
+                    self._arrived = asyncio.get_running_loop().create_future()
+                    await self._arrived
+                outs, self._outputs = self._outputs, []  # more than one: the server fell behind
                 out = merge_outputs(outs)
                 self.finished = out.finished
                 yield out
@@ -138,11 +149,11 @@ class FleetStream:
                 self.route.pool = self._pool.name
             except Exception as e:  # the replica died or could not be reached, or aborted
                 if self.aborted:
-                    self._outputs.put_nowait(self._failed(None, "abort"))
+                    self._put(self._failed(None, "abort"))
                     return
                 if self._tokens or attempt == ATTEMPTS - 1:
                     when = "after it had started answering" if self._tokens else f"{ATTEMPTS} times"
-                    self._outputs.put_nowait(
+                    self._put(
                         self._failed(
                             f"the replica serving this request failed ({type(e).__name__}) "
                             f"{when}; retry the request"
@@ -170,7 +181,7 @@ class FleetStream:
             if "error" in reply:
                 self.route.replica = reply["replica"]
                 self._engine.routed(self)
-                self._outputs.put_nowait(self._failed(reply["error"]))
+                self._put(self._failed(reply["error"]))
                 return
             await self._attempt_over.wait()  # the last frame may still be on its way
             if self._lost:

@@ -24,7 +24,7 @@ from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.reasoning import Split
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, event, sse_response
+from expresslane.server.sse import DONE, ChunkEvents, event, sse_response
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
@@ -179,11 +179,11 @@ def _setup(state: ServerState, body: ChatCompletionRequest, tools: list[dict]) -
 
 
 async def _stream(gens, choices: list[Choice], base: dict, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
+    events = ChunkEvents(base, include_usage)
 
     def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return event(None, {**base, "choices": [c], **extra})
+        return events.event(c)
 
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})

@@ -22,7 +22,7 @@ from expresslane.server.generation import (
 )
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, event, sse_response
+from expresslane.server.sse import DONE, ChunkEvents, event, sse_response
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -221,17 +221,10 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 async def _stream(state, gens, choices, base, n: int, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
+    events = ChunkEvents(base, include_usage)
 
     def chunk(i: int, text: str, lp=None, finish=None) -> str:
-        return event(
-            None,
-            {
-                **base,
-                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
-                **extra,
-            },
-        )
+        return events.event({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
 
     for c in choices:
         if c.text and c.prompt_ids is None:  # echo (with logprobs: in the first output)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def token_text(tokenizer, token_id: int) -> str:
+    return _texts(tokenizer)(token_id)
+
+
+def _texts(tokenizer) -> Callable[[int], str]:
+    """A token's text by id (a model served without a tokenizer names ids)."""
     if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.token_text(token_id)
+        return lambda token_id: f"token_id:{token_id}"
+    return tokenizer.token_text
 
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -30,15 +37,16 @@ def completion_logprobs(
     """Legacy Completions form: tokens, token_logprobs, top_logprobs, text_offset (a None
     entry, the first prompt token's, gives nulls)."""
     tokens, values, tops, offsets = [], [], [], []
+    text_of = _texts(tokenizer)  # (per streamed token: looked up once per output)
     for tid, lp in zip(token_ids, logprobs, strict=False):
-        text = token_text(tokenizer, tid)
+        text = text_of(tid)
         tokens.append(text)
         if lp is None:
             values.append(None)
             tops.append(None)
         else:
             values.append(float(lp["token"]))
-            tops.append({token_text(tokenizer, t): float(v) for t, v in lp.get("top", ())})
+            tops.append({text_of(t): float(v) for t, v in lp.get("top", ())})
         offsets.append(offset)
         offset += len(text)
     return {

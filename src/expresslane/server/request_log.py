@@ -21,6 +21,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from expresslane.server.sse import SERVER_SEND
+
 access = logging.getLogger("expresslane.access")
 QUIET_PATHS = ("/health", "/ready", "/metrics", "/playground/", "/static-offline-docs/")
 MAX_ID_CHARS = 128
@@ -48,6 +50,7 @@ class RequestLog:
         rid = request_id(scope["headers"])
         state = scope.setdefault("state", {})
         state["request_id"] = rid
+        scope.setdefault(SERVER_SEND, send)
         status = 500  # what the client gets if the app raises before answering
 
         async def send_with_id(message: Message) -> None:
