@@ -80,3 +80,26 @@ async def test_bad_requests_fail_fast_and_leave_others_alone(aengine):
             aengine.submit(bad, SamplingParams(max_tokens=4))
     results = await asyncio.gather(*(collect(s) for s in good))
     assert all(len(ids) == 16 and last.finish_reason == "length" for ids, _, last in results)
+
+
+async def test_an_output_buffer_merges_what_waited_and_stops_at_the_last():
+    from expresslane.engine.output import RequestOutput
+    from expresslane.engine.output_buffer import OutputBuffer
+    from expresslane.engine.request import RequestMetrics
+
+    def output(ids: list[int], finished: bool = False) -> RequestOutput:
+        text = "".join(f"<{i}>" for i in ids)
+        return RequestOutput("r", ids, text, finished, None, 3, 0, 0, RequestMetrics(0.0))
+
+    buffer = OutputBuffer()
+    reader = asyncio.ensure_future(buffer.take())
+    await asyncio.sleep(0)
+    assert not reader.done()  # it waits for an output
+    buffer.put(output([1]))
+    assert (await reader).new_token_ids == [1]
+    buffer.put(output([2]))
+    buffer.put(output([3], finished=True))
+    buffer.put(output([4]))  # after the finished output: dropped
+    last = await buffer.take()
+    assert (last.new_token_ids, last.new_text, last.finished) == ([2, 3], "<2><3>", True)
+    assert buffer.ended

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from expresslane.fleet import records  # noqa: E402
 from expresslane.fleet.records import PrefixRecord  # noqa: E402
 from expresslane.fleet.router import prefix_hashes  # noqa: E402
 
@@ -37,3 +38,16 @@ def test_an_unknown_prompt_matches_nothing():
     record.record(prefix_hashes(list(range(8)), BLOCK), "A")
     assert record.owner_depths(prefix_hashes(list(range(50, 58)), BLOCK)) == {}
     assert record.owner_depths([]) == {}
+
+
+def test_a_lookup_keeps_the_blocks_it_found(monkeypatch):
+    """The router does not record a request again when it goes to the replica holding its
+    whole prompt: the lookup itself must keep those blocks from being evicted first."""
+    monkeypatch.setattr(records, "MAX_BLOCKS", 2)
+    record = PrefixRecord()
+    record.record(["a"], "A")
+    record.record(["b"], "B")
+    assert record.owner_depths(["a"]) == {"A": 1}
+    record.record(["c"], "C")  # one too many: the least recently used goes
+    assert record.owner_depths(["a"]) == {"A": 1}
+    assert record.owner_depths(["b"]) == {}

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.output import RequestOutput
+from expresslane.engine.output_buffer import OutputBuffer
 from expresslane.engine.request import Request
 from expresslane.engine.snapshot import EngineSnapshot
 from expresslane.engine.submission import Submission
@@ -45,7 +46,7 @@ class RequestStream:
         self.request = request
         self.request_id = request.request_id
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._outputs = OutputBuffer()
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -53,12 +54,12 @@ class RequestStream:
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._queue.put_nowait(out)
+            self._outputs.put(out)
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                out = await self._queue.get()
+                out = await self._outputs.take()
                 self.finished = out.finished
                 yield out
         finally:

@@ -31,12 +31,14 @@ class PrefixRecord:
         self.owners: OrderedDict[str, str] = OrderedDict()
 
     def owner_depths(self, hashes: list[str]) -> dict[str, int]:
-        """For each replica, how many leading blocks its deepest recorded block covers."""
+        """For each replica, how many leading blocks its deepest recorded block covers. The
+        blocks found count as used (a request routed to their owner is not recorded again)."""
         depths: dict[str, int] = {}
         for depth, h in enumerate(hashes, start=1):
             owner = self.owners.get(h)
             if owner is not None:
                 depths[owner] = depth
+                self.owners.move_to_end(h)
         return depths
 
     def record(self, hashes: list[str], replica: str) -> None:

@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import replace
 
-from expresslane.engine.output import RequestOutput, merge_outputs
+from expresslane.engine.output import RequestOutput
+from expresslane.engine.output_buffer import OutputBuffer
 from expresslane.engine.request import Request
 from expresslane.engine.request_factory import RequestFactory
 from expresslane.engine.snapshot import EngineSnapshot
@@ -74,14 +75,13 @@ class FleetStream:
         self._response = None  # the Serve call of the current attempt
         self._tokens = 0  # delivered by the current attempt
         self._attempt_over = asyncio.Event()  # its last output came, or its replica was lost
+        self._outputs = OutputBuffer()
         self._lost = False
         self.aborted = False
 
     def start(self) -> None:
         """Ask the pool now (on the running event loop), not when the consumer first reads:
         the response headers wait for the route, and a stream's body is read after them."""
-        self._outputs: list[RequestOutput] = []  # arrived, not yet read
-        self._arrived: asyncio.Future | None = None  # what the reader waits on
         self._pump = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -99,7 +99,7 @@ class FleetStream:
             self._engine.routed(self)
             self.route.known.set()
         self._tokens += len(out.new_token_ids)
-        self._put(out)
+        self._outputs.put(out)
         if out.finished:
             self._attempt_over.set()
 
@@ -115,23 +115,10 @@ class FleetStream:
     def __aiter__(self):
         return self._iterate()
 
-    def _put(self, out: RequestOutput) -> None:
-        """For the reader; nothing after a last output (a list and a future: an asyncio.Queue
-        cost twice as much per token)."""
-        if self._outputs and self._outputs[-1].finished:
-            return
-        self._outputs.append(out)
-        if self._arrived is not None and not self._arrived.done():
-            self._arrived.set_result(None)
-
     async def _iterate(self):
         try:
             while not self.finished:
-                if not self._outputs:
-                    self._arrived = asyncio.get_running_loop().create_future()
-                    await self._arrived
-                outs, self._outputs = self._outputs, []  # more than one: the server fell behind
-                out = merge_outputs(outs)
+                out = await self._outputs.take()
                 self.finished = out.finished
                 yield out
         finally:
@@ -149,11 +136,11 @@ class FleetStream:
                 self.route.pool = self._pool.name
             except Exception as e:  # the replica died or could not be reached, or aborted
                 if self.aborted:
-                    self._put(self._failed(None, "abort"))
+                    self._outputs.put(self._failed(None, "abort"))
                     return
                 if self._tokens or attempt == ATTEMPTS - 1:
                     when = "after it had started answering" if self._tokens else f"{ATTEMPTS} times"
-                    self._put(
+                    self._outputs.put(
                         self._failed(
                             f"the replica serving this request failed ({type(e).__name__}) "
                             f"{when}; retry the request"
@@ -181,7 +168,7 @@ class FleetStream:
             if "error" in reply:
                 self.route.replica = reply["replica"]
                 self._engine.routed(self)
-                self._put(self._failed(reply["error"]))
+                self._outputs.put(self._failed(reply["error"]))
                 return
             await self._attempt_over.wait()  # the last frame may still be on its way
             if self._lost:

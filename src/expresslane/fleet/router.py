@@ -22,6 +22,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from expresslane.fleet.records import records
 
+MAX_PENDING = 4096  # lookups remembered until their requests are routed
+
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
     """Chained hashes of the full blocks of `token_ids` (a block's hash covers all before it)."""
@@ -40,6 +42,9 @@ class PrefixAffinityRouter(RequestRouter):
         self._imbalance = imbalance
         self._pool = pool
         self._records = records()
+        # a prompt's last block -> the replica its lookup found holding it, until the prompt
+        # is routed: routed there, the record already says so (and the lookup refreshed it)
+        self._holders: dict[str, str] = {}
 
     def _load(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
@@ -56,6 +61,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not hashes:
             return [by_load]
         depths = await self._records.owner_depths.remote(self._pool, hashes)
+        self._remember_holder(hashes, depths)
         held = [r for r in candidate_replicas if depths.get(r.replica_id.unique_id)]
         held.sort(key=lambda r: -depths[r.replica_id.unique_id])
         if held and self._load(held[0]) <= self._load(by_load[0]) + self._imbalance:
@@ -63,9 +69,16 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r] for r in held] + [[r for r in by_load if r not in held]]
         return [by_load]
 
+    def _remember_holder(self, hashes: list[str], depths: dict[str, int]) -> None:
+        if len(self._holders) > MAX_PENDING:  # lookups whose requests were never routed
+            self._holders.clear()
+        holder = next((r for r, depth in depths.items() if depth == len(hashes)), None)
+        if holder is not None:
+            self._holders[hashes[-1]] = holder
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         hashes = _hashes(pending_request)
-        if hashes:
+        if hashes and self._holders.pop(hashes[-1], None) != replica_id.unique_id:
             self._records.record.remote(self._pool, hashes, replica_id.unique_id)
 
 
