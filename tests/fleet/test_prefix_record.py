@@ -51,3 +51,10 @@ def test_a_lookup_keeps_the_blocks_it_found(monkeypatch):
     record.record(["c"], "C")  # one too many: the least recently used goes
     assert record.owner_depths(["a"]) == {"A": 1}
     assert record.owner_depths(["b"]) == {}
+
+
+async def test_a_local_record_answers_as_the_shared_one():
+    """One ingress replica keeps its routers' records in its own process (`LocalPrefixes`)."""
+    local = records.LocalPrefixes()
+    local.record(prefix_hashes(list(range(12)), BLOCK), "A")
+    assert await local.depths(prefix_hashes(list(range(16)), BLOCK)) == {"A": 3}

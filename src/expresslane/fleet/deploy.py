@@ -50,6 +50,7 @@ def _pool_app(spec: ClusterSpec, pool: PoolSpec):
             request_router_kwargs={
                 "imbalance": spec.ingress.imbalance,
                 "pool": pool.name,
+                "shared": spec.ingress.replicas > 1,
             },
         ),
         health_check_period_s=HEALTH_CHECK_SECONDS,

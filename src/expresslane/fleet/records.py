@@ -1,6 +1,7 @@
 """What every replica and router of the fleet shares, in one named Ray actor (`records()`):
-each pool's `PrefixRecord` (which replica each prompt block last went to, for router.py) and
-the `LoadRecord` (what each engine replica last reported running, for load_board.py and
+each pool's `PrefixRecord` (which replica each prompt block last went to, for router.py:
+`SharedPrefixes`, or `LocalPrefixes` where one ingress replica routes alone) and the
+`LoadRecord` (what each engine replica last reported running, for load_board.py and
 `expresslane cluster status`).
 
 One actor rather than one per pool and one for loads: an idle Ray actor costs 6-9 ms of CPU
@@ -47,6 +48,30 @@ class PrefixRecord:
             self.owners.move_to_end(h)
         while len(self.owners) > MAX_BLOCKS:
             self.owners.popitem(last=False)
+
+
+class LocalPrefixes(PrefixRecord):
+    """A pool's record in its router's own process: enough where the fleet has one ingress
+    replica (one router per pool), and no Ray call per request (each cost ~1 ms of CPU in the
+    records actor, and as much again in the router's thread)."""
+
+    async def depths(self, hashes: list[str]) -> dict[str, int]:
+        return self.owner_depths(hashes)
+
+
+class SharedPrefixes:
+    """A pool's record in the records actor, shared by the routers of several ingress
+    replicas."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        self.actor = records()
+
+    async def depths(self, hashes: list[str]) -> dict[str, int]:
+        return await self.actor.owner_depths.remote(self.pool, hashes)
+
+    def record(self, hashes: list[str], replica: str) -> None:
+        self.actor.record.remote(self.pool, hashes, replica)
 
 
 class LoadRecord:

@@ -3,13 +3,13 @@
 Each call carries `prefix_hashes`, the chained hashes of its prompt's full KV blocks
 (`prefix_hashes` below, the same blocks the engine's prefix cache keys on). The routers
 of all ingress replicas share one record per pool (`PrefixRecord`, in the fleet's records
-actor: records.py) of the replica each block was last sent to. A request goes to the replica
-holding the longest run of its leading blocks, unless that replica carries more than
-`imbalance` requests beyond the least loaded one; then, and for prompts nothing matches, to
-the least loaded one.
-So a conversation continued with `previous_response_id` returns to the replica that has its
-earlier turns cached, and a hot prefix cannot pile every request onto one replica. The record
-is approximate (as SGLang's cache-aware router): a wrong guess costs a prefill, never a wrong
+actor: records.py) of the replica each block was last sent to; a fleet of one ingress replica
+keeps it in the router's own process. A request goes to the replica holding the longest run of
+its leading blocks, unless that replica carries more than `imbalance` requests beyond the
+least loaded one; then, and for prompts nothing matches, to the least loaded one. So a
+conversation continued with `previous_response_id` returns to the replica that has its earlier
+turns cached, and a hot prefix cannot pile every request onto one replica. The record is
+approximate (as SGLang's cache-aware router): a wrong guess costs a prefill, never a wrong
 answer.
 """
 
@@ -20,7 +20,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from expresslane.fleet.records import records
+from expresslane.fleet.records import LocalPrefixes, SharedPrefixes
 
 MAX_PENDING = 4096  # lookups remembered until their requests are routed
 
@@ -38,10 +38,9 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4, pool: str = ""):
+    def initialize_state(self, imbalance: int = 4, pool: str = "", shared: bool = True):
         self._imbalance = imbalance
-        self._pool = pool
-        self._records = records()
+        self._prefixes = SharedPrefixes(pool) if shared else LocalPrefixes()
         # a prompt's last block -> the replica its lookup found holding it, until the prompt
         # is routed: routed there, the record already says so (and the lookup refreshed it)
         self._holders: dict[str, str] = {}
@@ -60,7 +59,7 @@ class PrefixAffinityRouter(RequestRouter):
         hashes = _hashes(pending_request)
         if not hashes:
             return [by_load]
-        depths = await self._records.owner_depths.remote(self._pool, hashes)
+        depths = await self._prefixes.depths(hashes)
         self._remember_holder(hashes, depths)
         held = [r for r in candidate_replicas if depths.get(r.replica_id.unique_id)]
         held.sort(key=lambda r: -depths[r.replica_id.unique_id])
@@ -79,7 +78,7 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         hashes = _hashes(pending_request)
         if hashes and self._holders.pop(hashes[-1], None) != replica_id.unique_id:
-            self._records.record.remote(self._pool, hashes, replica_id.unique_id)
+            self._prefixes.record(hashes, replica_id.unique_id)
 
 
 def _hashes(pending_request: PendingRequest | None) -> list[str]:
