@@ -25,8 +25,9 @@ with ultrafast traffic against alone. Then the fleet's added latency: `--probes`
 completions, one at a time on an idle system, through the fleet's ingress and router, taking
 turns with the same probes to the lanes server, which stays up through the run (e2e p50 and
 p99; the difference is what the ingress, router and token path add), and the CPU time each
-part spent per default token while the default streams ran alone (from /proc); "transport" is
-the ingress's, Serve's proxy's and Ray's other processes' together.
+part spent per default token while the default streams ran alone (from /proc, Ray's other
+processes also by name); "transport" is the ingress's, Serve's proxy's and Ray's other
+processes' together.
 
     python benchmarks/fleet.py [--streams 16] [--ultrafast 8] [--probes 50] [--intervals 1:1,8:4]
     python benchmarks/fleet.py --before eadec6b --http direct,serve-proxy --runs 3
@@ -142,18 +143,43 @@ PARTS = {  # a process's command line -> the part of the fleet it is
 }
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far per part of the fleet (this client, Ray's other processes)."""
-    out: dict[str, float] = {}
-    for pid, (cmd, seconds) in process_cpu_seconds().items():
-        if pid == os.getpid():
-            part = "client"
-        elif "ray" in cmd:
-            part = next((v for k, v in PARTS.items() if k in cmd), "Ray (other)")
-        else:
+def part_of(pid: int, cmd: str) -> str | None:
+    """The part of the fleet a process is (None: not the fleet's, nor this client)."""
+    if pid == os.getpid():
+        return "client"
+    if "ray" not in cmd:
+        return None
+    return next((v for k, v in PARTS.items() if k in cmd), "Ray (other)")
+
+
+def process_name(cmd: str) -> str:
+    """A Ray process's title, its program's file name, or a Python program's script's."""
+    words = cmd.split() or ["?"]
+    if words[0].startswith("ray::"):
+        return words[0]
+    program = Path(words[0]).name
+    if not program.startswith("python"):
+        return program
+    return next((Path(w).name for w in words[1:] if w.endswith(".py")), program)
+
+
+def cpu_ms_per_token(before: dict, after: dict, tokens: int) -> tuple[dict, dict]:
+    """CPU ms per token between two `process_cpu_seconds` readings: by part, and Ray's other
+    processes by name. Per process: one that started in between counts whole, one that ended
+    is left out (summed by part first, a process ending in the window took all it had ever
+    used off its part)."""
+    parts: dict[str, float] = {}
+    other: dict[str, float] = {}
+    for pid, (cmd, seconds) in after.items():
+        part = part_of(pid, cmd)
+        if part is None:
             continue
-        out[part] = out.get(part, 0.0) + seconds
-    return out
+        ms = 1000 * (seconds - before.get(pid, (cmd, 0.0))[1]) / tokens
+        parts[part] = parts.get(part, 0.0) + ms
+        if part == "Ray (other)":
+            name = process_name(cmd)
+            other[name] = other.get(name, 0.0) + ms
+    return parts, other
 
 
 async def phases(server, args) -> dict:
@@ -175,12 +201,12 @@ async def _phases(http, server, args) -> dict:
 
     workers = [asyncio.create_task(worker(s)) for s in per_stream]
     await asyncio.sleep(args.warmup)
-    cpu0, a0 = cpu_seconds(), time.perf_counter()
+    cpu0, a0 = process_cpu_seconds(), time.perf_counter()
     await asyncio.sleep(args.window)
-    cpu1, a1 = cpu_seconds(), time.perf_counter()
+    cpu1, a1 = process_cpu_seconds(), time.perf_counter()
     tokens = sum(count_between(s, a0, a1) for s in per_stream)
     alone = tokens / (a1 - a0)
-    cpu_ms = {k: 1000 * (v - cpu0.get(k, 0.0)) / tokens for k, v in cpu1.items()}
+    cpu_ms, ray_other = cpu_ms_per_token(cpu0, cpu1, tokens)
     busy: list = []
     await ultrafast_requests(http, server, args, busy, args.window)
     b0, b1 = busy[0][1], busy[-1][2]
@@ -199,6 +225,7 @@ async def _phases(http, server, args) -> dict:
         "default_throughput_with_ultrafast": during,
         "default_kept": during / alone,
         "cpu_ms_per_default_token": {k: v for k, v in cpu_ms.items() if v >= 0.005},
+        "ray_other_ms_per_default_token": {k: v for k, v in ray_other.items() if v >= 0.001},
     }
 
 
@@ -237,6 +264,9 @@ def report(name: str, r: dict) -> None:
         print(f"       lanes in turn: p50 {lanes['p50_ms']:.1f} ms p99 {lanes['p99_ms']:.1f} ms")
     cpu = sorted(r["cpu_ms_per_default_token"].items(), key=lambda kv: -kv[1])
     print("       CPU ms per default token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
+    other = sorted(r.get("ray_other_ms_per_default_token", {}).items(), key=lambda kv: -kv[1])
+    if other:
+        print("       Ray (other): " + ", ".join(f"{k} {v:.3f}" for k, v in other))
     if "transport_ms_per_token" in r:
         print(f"       transport CPU ms per default token: {r['transport_ms_per_token']:.3f}")
 

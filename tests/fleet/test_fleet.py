@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -388,6 +389,22 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(fleet):
     _wait(lambda: _running("std") == 1 and len(_replicas("std")) == 1)  # idle: back to min
     assert errors == [] and results and set(results) == {"length"}
     assert chat(c, "default").headers["x-expresslane-pool"] == "std"
+
+
+def test_the_local_cluster_runs_no_log_or_autoscaler_monitor(fleet):
+    """deploy() stops the two processes of a local cluster nothing uses (their idle CPU is
+    taken from the token path's core)."""
+    session = ray._private.worker._global_node.get_session_dir_path()
+    ours = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if session in cmd:
+            ours.append(cmd)
+    assert any("gcs_server" in cmd for cmd in ours)  # the session's processes are found
+    assert not [cmd for cmd in ours if "log_monitor.py" in cmd or "/monitor.py" in cmd]
 
 
 def test_bench_reports_pools(fleet, tmp_path):

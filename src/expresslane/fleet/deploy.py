@@ -13,6 +13,7 @@ gives up at a deadline; every failure is one line (`DeployError`), never a trace
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from expresslane.fleet.ingress import DRAIN_SECONDS, Ingress
 from expresslane.fleet.names import APP_NAME, INGRESS, pool_deployment_name
 from expresslane.fleet.replica import EngineReplica
 from expresslane.fleet.router import PrefixAffinityRouter
+
+log = logging.getLogger("expresslane.fleet")
 
 HEALTH_CHECK_SECONDS = 2.0
 
@@ -106,6 +109,20 @@ def connect(num_cpus: float | None = None) -> None:
     else:
         os.environ.update(env)  # a local cluster's processes inherit them
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        _trim_local_node()
+
+
+def _trim_local_node() -> None:
+    """Stop what a local cluster started that nothing here uses: Ray's log monitor (it sends
+    workers' output to drivers, and `log_to_driver` is off) and the autoscaler's monitor (a
+    local cluster never scales). Idle they cost 9-13 ms of CPU a second, which a busy node's
+    token path pays (BENCHMARKS.md, "The fleet's token path")."""
+    node = getattr(ray._private.worker, "_global_node", None)  # the processes ray.init started
+    for kill in ("kill_log_monitor", "kill_monitor"):
+        try:
+            getattr(node, kill)(check_alive=False)
+        except Exception:  # noqa: BLE001  (another Ray: keep them)
+            log.warning("could not stop Ray's %s", kill.removeprefix("kill_"), exc_info=True)
 
 
 def deploy(spec: ClusterSpec, num_cpus: float | None = None) -> str:
