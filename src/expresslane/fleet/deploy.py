@@ -96,10 +96,19 @@ SERVE_ENV = {
 }
 
 
+# A local cluster's own Ray settings: each Ray process reports task events every 5 s and Ray's
+# metrics every 50 s (not 1 s and 10 s). It has no dashboard to show them sooner, and idle its
+# processes used 90-94 ms of CPU a second against 112-144.
+LOCAL_RAY_ENV = {
+    "RAY_task_events_report_interval_ms": "5000",
+    "RAY_metrics_report_interval_ms": "50000",
+}
+
+
 def connect(num_cpus: float | None = None) -> None:
     """Join the cluster at RAY_ADDRESS, or start a local one (with `num_cpus` logical CPUs:
-    replicas may ask for fractions of them). Serve's processes get `SERVE_ENV` (unless the
-    environment sets those already)."""
+    replicas may ask for fractions of them, and `LOCAL_RAY_ENV`). Serve's processes get
+    `SERVE_ENV` (unless the environment sets those already)."""
     if ray.is_initialized():
         return
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
@@ -107,6 +116,7 @@ def connect(num_cpus: float | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
     else:
+        env.update({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()})
         os.environ.update(env)  # a local cluster's processes inherit them
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         _trim_local_node()
