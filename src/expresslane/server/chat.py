@@ -24,7 +24,7 @@ from expresslane.server.limits import off_loop
 from expresslane.server.prompt import chat_messages, render, template_tools
 from expresslane.server.reasoning import Split
 from expresslane.server.schemas import ChatCompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, ChunkEvents, event, sse_response
+from expresslane.server.sse import DONE, ChunkEvents, EventStream, event
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 
@@ -60,7 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(
+        return EventStream(
             _stream(gens, choices, base, include_usage), on_close=lambda: abort_all(gens)
         )
     return await _plain(request, gens, choices, base)

@@ -22,7 +22,7 @@ from expresslane.server.generation import (
 )
 from expresslane.server.logprobs import completion_logprobs
 from expresslane.server.schemas import CompletionRequest, check_unsupported
-from expresslane.server.sse import DONE, ChunkEvents, event, sse_response
+from expresslane.server.sse import DONE, ChunkEvents, EventStream, event
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -209,7 +209,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(
+        return EventStream(
             _stream(state, gens, choices, base, n, include_usage), on_close=lambda: abort_all(gens)
         )
 

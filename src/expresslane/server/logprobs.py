@@ -5,10 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    return _texts(tokenizer)(token_id)
-
-
 def _texts(tokenizer) -> Callable[[int], str]:
     """A token's text by id (a model served without a tokenizer names ids)."""
     if tokenizer is None:
@@ -16,17 +12,18 @@ def _texts(tokenizer) -> Callable[[int], str]:
     return tokenizer.token_text
 
 
-def _entry(tokenizer, token_id: int, logprob: float) -> dict:
-    text = token_text(tokenizer, token_id)
+def _entry(text_of: Callable[[int], str], token_id: int, logprob: float) -> dict:
+    text = text_of(token_id)
     return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict]) -> list[dict]:
     """Chat Completions / Responses form: token, logprob, bytes, top_logprobs."""
     out = []
+    text_of = _texts(tokenizer)
     for tid, lp in zip(token_ids, logprobs, strict=False):
-        e = _entry(tokenizer, tid, lp["token"])
-        e["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.get("top", ())]
+        e = _entry(text_of, tid, lp["token"])
+        e["top_logprobs"] = [_entry(text_of, t, v) for t, v in lp.get("top", ())]
         out.append(e)
     return out
 
@@ -37,7 +34,7 @@ def completion_logprobs(
     """Legacy Completions form: tokens, token_logprobs, top_logprobs, text_offset (a None
     entry, the first prompt token's, gives nulls)."""
     tokens, values, tops, offsets = [], [], [], []
-    text_of = _texts(tokenizer)  # (per streamed token: looked up once per output)
+    text_of = _texts(tokenizer)
     for tid, lp in zip(token_ids, logprobs, strict=False):
         text = text_of(tid)
         tokens.append(text)

@@ -18,7 +18,7 @@ from expresslane.server.body import StrictJSONRoute
 from expresslane.server.errors import APIError, generation_error, invalid, not_found
 from expresslane.server.response_job import ResponseJob, check, create_job, prepare_request
 from expresslane.server.schemas import InputTokensRequest, ResponseCreateRequest
-from expresslane.server.sse import event, sse_response, until_disconnected
+from expresslane.server.sse import EventStream, event, until_disconnected
 from expresslane.server.state import ServerState, get_state
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -39,10 +39,10 @@ async def create_response(body: ResponseCreateRequest, request: Request):
     await job.start(announced=bool(body.background or body.stream))
     if body.background:
         if body.stream:
-            return sse_response(_sse(job))  # the job outlives this connection
+            return EventStream(_sse(job))  # the job outlives this connection
         return JSONResponse(snapshot)
     if body.stream:
-        return sse_response(_sse(job), on_close=job.cancel)
+        return EventStream(_sse(job), on_close=job.cancel)
     if not await until_disconnected(request, job.task):
         return Response(status_code=499)
     if job.response["status"] == "failed":
@@ -125,7 +125,7 @@ async def retrieve_response(
             "without stream=true.",
             param="stream",
         )
-    return sse_response(_sse(job, -1 if starting_after is None else starting_after))
+    return EventStream(_sse(job, -1 if starting_after is None else starting_after))
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -62,7 +62,9 @@ class EventStream(StreamingResponse):
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         direct = self.server_send or send
         try:
             async for chunk in self.body_iterator:
@@ -72,12 +74,6 @@ class EventStream(StreamingResponse):
             if self.on_close is not None:
                 self.on_close()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def sse_response(
-    chunks: AsyncIterator[str], on_close: Callable[[], None] | None = None
-) -> EventStream:
-    return EventStream(chunks, on_close)
 
 
 async def until_disconnected(request: Request, task: asyncio.Future, poll_s: float = 0.2) -> bool:
