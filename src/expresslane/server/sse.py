@@ -62,11 +62,17 @@ class EventStream(StreamingResponse):
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
         direct = self.server_send or send
         try:
+            # (inside: a fleet's start waits for a replica to take the request, and a client
+            # that leaves meanwhile must still abort it)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             async for chunk in self.body_iterator:
                 event = {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
                 await direct(event)
