@@ -88,11 +88,17 @@ def build_application(spec: ClusterSpec, model_dir: str):
 # machine can take longer to import and start one. Serve's controller runs its control loop
 # every 0.1 s by default: every 0.5 s it used 11 ms of CPU a second idle against 30 (and the
 # GCS it polls 7 against 14), time taken from the node's token path. The controller reads
-# these when it starts.
+# these when it starts. Each replica runs its code, and the ingress its handles' router, on
+# the replica's own event loop rather than a thread of its own: the ingress's uvicorn and the
+# replicas' methods are async and never block it (the engine steps in its own thread), and
+# the two thread hops a request made cost about 1 ms of its latency here (BENCHMARKS.md, "The
+# fleet's token path").
 SERVE_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 
 
