@@ -391,8 +391,8 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(fleet):
     assert chat(c, "default").headers["x-expresslane-pool"] == "std"
 
 
-def test_the_local_cluster_runs_no_log_or_autoscaler_monitor(fleet):
-    """deploy() stops the two processes of a local cluster nothing uses (their idle CPU is
+def test_the_local_cluster_runs_no_monitor_or_dashboard(fleet):
+    """deploy() stops the three processes of a local cluster nothing uses (their idle CPU is
     taken from the token path's core)."""
     session = ray._private.worker._global_node.get_session_dir_path()
     ours = []
@@ -404,7 +404,8 @@ def test_the_local_cluster_runs_no_log_or_autoscaler_monitor(fleet):
         if session in cmd:
             ours.append(cmd)
     assert any("gcs_server" in cmd for cmd in ours)  # the session's processes are found
-    assert not [cmd for cmd in ours if "log_monitor.py" in cmd or "/monitor.py" in cmd]
+    unused = ("log_monitor.py", "/monitor.py", "/dashboard.py")
+    assert not [cmd for cmd in ours if any(name in cmd for name in unused)]
 
 
 def test_bench_reports_pools(fleet, tmp_path):

@@ -102,12 +102,14 @@ SERVE_ENV = {
 }
 
 
-# A local cluster's own Ray settings: each Ray process reports task events every 5 s and Ray's
-# metrics every 50 s (not 1 s and 10 s). It has no dashboard to show them sooner, and idle its
-# processes used 90-94 ms of CPU a second against 112-144.
+# A local cluster's own Ray settings: each Ray process reports task events every 5 s (not 1 s)
+# and collects no Ray metrics (nothing scrapes them: the fleet's own metrics are the ingress's
+# /metrics). Idle, task events every 5 s and metrics every 50 s cut Ray's processes from
+# 112-144 ms of CPU a second to 90-94; no metrics at all halved the dashboard agent's (30 ms/s
+# to 17), which ingested every worker's.
 LOCAL_RAY_ENV = {
     "RAY_task_events_report_interval_ms": "5000",
-    "RAY_metrics_report_interval_ms": "50000",
+    "RAY_enable_metrics_collection": "0",
 }
 
 
@@ -130,11 +132,12 @@ def connect(num_cpus: float | None = None) -> None:
 
 def _trim_local_node() -> None:
     """Stop what a local cluster started that nothing here uses: Ray's log monitor (it sends
-    workers' output to drivers, and `log_to_driver` is off) and the autoscaler's monitor (a
-    local cluster never scales). Idle they cost 9-13 ms of CPU a second, which a busy node's
-    token path pays (BENCHMARKS.md, "The fleet's token path")."""
+    workers' output to drivers, and `log_to_driver` is off), the autoscaler's monitor (a
+    local cluster never scales) and the dashboard's API server (jobs and state queries; the
+    fleet deploys through Serve's Python API). Idle they cost 20-30 ms of CPU a second, which
+    a busy node's token path pays (BENCHMARKS.md, "The fleet's token path")."""
     node = getattr(ray._private.worker, "_global_node", None)  # the processes ray.init started
-    for kill in ("kill_log_monitor", "kill_monitor"):
+    for kill in ("kill_log_monitor", "kill_monitor", "kill_dashboard"):
         try:
             getattr(node, kill)(check_alive=False)
         except Exception:  # noqa: BLE001  (another Ray: keep them)
