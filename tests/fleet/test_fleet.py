@@ -3,9 +3,11 @@ replicas in another, one ingress in front; the official openai SDK as the client
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -159,6 +161,47 @@ def test_a_client_leaving_mid_stream_frees_its_replica(fleet):
     _wait(lambda: ledger.rows(completion_id), 60)
     [row] = ledger.rows(completion_id)
     assert row["status"] == "abort" and 0 < row["output_tokens"] < 1900
+
+
+def test_a_client_leaving_before_its_first_token_has_it_aborted_and_billed(fleet):
+    """A stream's response starts once a replica took the request (its first output): a
+    client that leaves before has the request aborted there, and billed as an abort (it was
+    left running for nobody, and never billed). The fast pool's batch is full, so the request
+    waits in its replica until the client has gone."""
+    fast = serve.get_deployment_handle(pool_deployment_name("fast"), APP_NAME)
+    ledger = Ledger(connect(fleet["database"]))
+    seen = {row["id"] for row in ledger.rows()}
+
+    def ours() -> list[dict]:
+        rows = ledger.rows()
+        return [r for r in rows if r["id"] not in seen and r["key_id"] == fleet["ids"]["eu"]]
+
+    with contextlib.ExitStack() as batch:
+        streams = [batch.enter_context(long_stream(client(fleet), "ultrafast")) for _ in range(4)]
+        lines = [stream.iter_lines() for stream in streams]  # (kept: a dropped one hangs up)
+        for stream_lines in lines:  # the fast pool's max_batch, running
+            next(stream_lines)
+        body = json.dumps(
+            {
+                "model": "expresslane-demo",
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 50,
+                "stream": True,
+                "service_tier": "ultrafast",
+            }
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {fleet['keys']['eu']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", fleet["port"])) as sock:
+            sock.sendall(head.encode() + body)
+            _wait(lambda: fast.record_routing_stats.remote().result()["waiting"] == 1, 60)
+        _wait(lambda: ours(), 60)
+        [row] = ours()
+        assert row["status"] == "abort" and row["output_tokens"] == 0
+        assert fast.record_routing_stats.remote().result()["waiting"] == 0
 
 
 def _status(fleet) -> dict:
