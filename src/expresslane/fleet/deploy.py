@@ -87,8 +87,8 @@ def build_application(spec: ClusterSpec, model_dir: str):
 # Serve kills an HTTP proxy that is not ready within 5 s and `serve.start` then fails; a busy
 # machine can take longer to import and start one. Serve's controller runs its control loop
 # every 0.1 s by default: every 0.5 s it used 11 ms of CPU a second idle against 30 (and the
-# GCS it polls 7 against 14), time taken from the node's token path. The controller reads
-# these when it starts. Each replica runs its code, and the ingress its handles' router, on
+# GCS it polls 7 against 14), time taken from the node's token path. Serve's processes read
+# these when they start. Each replica runs its code, and the ingress its handles' router, on
 # the replica's own event loop rather than a thread of its own: the ingress's uvicorn and the
 # replicas' methods are async and never block it (the engine steps in its own thread), and
 # the two thread hops a request made cost about 1 ms of its latency here (BENCHMARKS.md, "The

@@ -77,7 +77,7 @@ class Ingress:
         from expresslane.server.app import create_app
         from expresslane.server.settings import ServerSettings
 
-        # Serve's router and Ray's own threads share this process's GIL with the event loop
+        # Ray's own threads (gRPC, the core worker's) share this process's GIL with the loop
         # that serves: by default a waiting thread gets it only after 5 ms, a hop's delay
         # (measured: 0.5 ms also lowers the ingress's CPU per token, 0.10-0.11 against 0.12-0.13).
         sys.setswitchinterval(0.0005)
