@@ -198,7 +198,7 @@ def test_a_client_leaving_before_its_first_token_has_it_aborted_and_billed(fleet
         with socket.create_connection(("127.0.0.1", fleet["port"])) as sock:
             sock.sendall(head.encode() + body)
             _wait(lambda: fast.record_routing_stats.remote().result()["waiting"] == 1, 60)
-        _wait(lambda: ours(), 60)
+        _wait(ours, 60)
         [row] = ours()
         assert row["status"] == "abort" and row["output_tokens"] == 0
         assert fast.record_routing_stats.remote().result()["waiting"] == 0
