@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from expresslane.engine.engine import LLMEngine
+from expresslane.engine.openmp import name_thread, release_team
 from expresslane.engine.output import RequestOutput
 from expresslane.engine.output_buffer import OutputBuffer
 from expresslane.engine.request import Request
@@ -30,6 +31,7 @@ from expresslane.promise import Stated
 from expresslane.sampling_params import SamplingParams
 
 log = logging.getLogger("expresslane.engine")
+STEP_THREAD = "expresslane-eng"  # the step loop's OS thread name, its OpenMP workers' too
 
 
 class OutputSink(Protocol):
@@ -78,7 +80,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stop = False
         self.ready = threading.Event()  # set once calibrated and stepping
-        self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
+        release_team()  # the step loop's OpenMP team must be the only one (engine/openmp.py)
+        self._thread = threading.Thread(target=self._loop, name=STEP_THREAD, daemon=True)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -208,6 +211,7 @@ class AsyncEngine:
                     outputs.append(out)
 
     def _loop(self) -> None:
+        name_thread(STEP_THREAD)
         eng = self.engine
         if self._calibrate:
             try:
