@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ def pytest_configure(config) -> None:
     # batch-invariance tests hold on every machine; tests of the matrix path ask for it. (Set
     # here, not on import: benchmarks import this module's checkpoint helpers.)
     os.environ["EXPRESSLANE_PROMPT_LINEARS"] = "rows"
+    # Calibrations are kept for this session's engines only, never taken from earlier runs.
+    os.environ["EXPRESSLANE_CALIBRATION_CACHE"] = tempfile.mkdtemp(prefix="expresslane-calib-")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -44,11 +44,12 @@ async def test_abort_frees_blocks_and_ends_the_stream(aengine):
     stream = aengine.submit(
         [5] * 40, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     )
-    seen = 0
+    seen, aborted = 0, False
     async for out in stream:
         seen += len(out.new_token_ids)
-        if seen == 3:
+        if seen >= 3 and not aborted:  # a consumer that lags gets several tokens at once
             aengine.abort(stream.request_id)
+            aborted = True
         if out.finished:
             assert out.finish_reason == "abort"
     assert 3 <= seen < 400

@@ -32,6 +32,9 @@ class EngineConfig:
     speculative: dict | None = None  # every lane's, unless the lane sets its own
     lanes: dict | None = None  # {lane: {setting: value}} over the defaults in lanes.py
     calibrate: bool = True  # time synthetic steps at server start for the step-latency model
+    # the folder calibrations are kept in for the next start (engine/calibration_cache.py);
+    # None: $EXPRESSLANE_CALIBRATION_CACHE, else ~/.cache/expresslane/calibration; "off": none
+    calibration_cache: str | None = None
     quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
     kv_cache_dtype: str = "auto"  # the model's dtype; float32, bfloat16, fp8, fp4 (kv_store.py)
     max_queue_seconds: float | None = None  # not started by then: fails (serve: 60 s)

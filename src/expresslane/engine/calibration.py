@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from expresslane.engine.calibration_cache import CalibrationCache
 from expresslane.engine.submission import Submission
 from expresslane.sampling_params import SamplingParams
 
@@ -29,9 +30,35 @@ SOLO_TOKENS = 16
 
 
 def calibrate(engine: LLMEngine) -> None:
+    """Fit the step-latency model to this machine's calibration, kept from an earlier start
+    (calibration_cache.py) or measured now and kept; then state the lanes' targets and
+    promises from it. Call it before serving."""
+    cache = CalibrationCache.of(engine.config, engine.config.model_dir, engine.device)
+    kept = cache.load() if cache is not None else None
+    if kept is not None:
+        try:
+            engine.step_model.restore(kept)
+            log.info("step-latency calibration kept from an earlier start: %s", cache.path)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            log.warning("calibration %s unusable (%s): measuring anew", cache.path, e)
+            kept = None
+    if kept is None:
+        engine.targets.held = True  # stated from the whole calibration, not its first steps
+        try:
+            measure(engine)
+        finally:
+            engine.targets.held = False
+        if cache is not None:
+            cache.save(engine.step_model.export())
+    engine.step_model.fit()
+    engine.targets.resolve()
+    log.info("step-latency model: %s", engine.step_model.describe())
+
+
+def measure(engine: LLMEngine) -> None:
     """Time synthetic steps on this device, prompt chunks and decode batches up to the largest
-    lane batch, and fit the step-latency model to them. Uses free KV blocks only and leaves
-    nothing behind; call it before serving."""
+    lane batch, into the step-latency model's calibration set. Uses free KV blocks only and
+    leaves nothing behind."""
     rng = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     largest = max(la.max_batch for la in engine.lanes.values() if la.enabled)
@@ -66,9 +93,6 @@ def calibrate(engine: LLMEngine) -> None:
         engine.step_model.calibrating = False
         for rid in list(engine.requests):
             engine.abort(rid)
-    engine.step_model.fit()
-    engine.targets.resolve()
-    log.info("step-latency model: %s", engine.step_model.describe())
 
 
 class LaneTargets:
@@ -78,6 +102,12 @@ class LaneTargets:
     def __init__(self, lanes: dict[str, Lane], scheduler: Scheduler, step_model: StepLatencyModel):
         self.lanes, self.scheduler, self.step_model = lanes, scheduler, step_model
         self.resolved = False
+        self.held = False  # while calibrating: its first fits are no measure to state
+
+    @property
+    def due(self) -> bool:
+        """Whether the targets can be resolved now and are not yet."""
+        return not self.resolved and not self.held and self.step_model.ready
 
     def resolve(self) -> None:
         """Hand the lanes' targets to the scheduler: numbers as tokens/s, "auto" as a

@@ -181,7 +181,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: propose guesses, schedule, run the model, accept the tokens."""
         start = time.perf_counter()
-        if not self.targets.resolved and self.step_model.ready:
+        if self.targets.due:
             self.targets.resolve()
         self.speculation.propose(self.scheduler.running, self._grammars is not None)
         expired = self._expire_waiting()

@@ -118,6 +118,25 @@ class StepLatencyModel:
         steps = list(self.solo_steps)
         return float(np.percentile(steps, SOLO_PERCENTILE)) if steps else None
 
+    def export(self) -> dict:
+        """The calibration's step times, as `restore` takes them back (calibration_cache.py)."""
+        fits = {name: [[*x, y] for x, y in f.calibration] for name, f in self.fits.items()}
+        return {**fits, "solo": list(self.solo_steps)}
+
+    def restore(self, steps: dict) -> None:
+        """Take a kept calibration's step times as if just measured, and fit them."""
+        points = {
+            name: [(tuple(map(float, p[:-1])), float(p[-1])) for p in steps[name]]
+            for name in self.fits
+        }
+        solo = [float(s) for s in steps["solo"]]
+        if any(len(x) != NUM_FEATURES for kept in points.values() for x, _ in kept):
+            raise ValueError("a kept step has the wrong number of features")
+        for name, f in self.fits.items():
+            f.calibration = points[name]
+        self.solo_steps.extend(solo)
+        self.fit()
+
     def forget_live(self) -> None:
         """Drop the live steps seen so far (a calibration's warm-up)."""
         for f in self.fits.values():
