@@ -46,6 +46,7 @@ class Server:
         for flag in lane_flags:
             cmd += ["--lane", flag]
         env = {**os.environ, "EXPRESSLANE_ACCOUNTS": ":memory:", "EXPRESSLANE_STORE": ":memory:"}
+        env["EXPRESSLANE_CALIBRATION_CACHE"] = "off"  # each start measures: the targets' spread
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
