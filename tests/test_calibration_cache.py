@@ -4,9 +4,13 @@ promise without timing a step; anything else measures anew."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
+from expresslane import LLM, SamplingParams
 from expresslane.config import EngineConfig
+from expresslane.engine.async_engine import AsyncEngine
 from expresslane.engine.calibration_cache import CalibrationCache, key_parts
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.lane_room import PROMISE_OF_TARGET, _round
@@ -85,3 +89,38 @@ def test_off_keeps_nothing(llama_dir, tmp_path, monkeypatch):
     engine.calibrate()
     assert engine.step_model.ready
     assert not _kept(tmp_path)
+
+
+def _wait_for(check, what: str, limit: float = 300.0) -> None:
+    end = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+async def _generate(served: AsyncEngine, prompt: str, n: int) -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    ids = []
+    async for out in served.submit(prompt, params):
+        ids += out.new_token_ids
+    return ids
+
+
+def test_a_server_answers_while_its_calibration_is_measured(llama_dir, tmp_path):
+    """Ready before the calibration is measured: requests between its steps interrupt it, are
+    answered as the engine alone answers them, and the promise is stated once it is done."""
+    engine = _engine(llama_dir, tmp_path)
+    served = AsyncEngine(engine, serve_while_calibrating=True)
+    try:
+        assert served.ready.wait(60)
+        assert served.promises() == {}  # not measured yet: /v1/tiers says "measuring"
+        answers = [asyncio.run(_generate(served, f"def f{i}(x):", 24)) for i in range(3)]
+        _wait_for(lambda: "ultrafast" in served.promises(), "the promise is stated")
+        assert len(_kept(tmp_path)) == 1
+        assert engine.kv.num_used_blocks == 0
+        assert not engine.requests
+    finally:
+        served.shutdown()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = LLM(str(llama_dir), seed=0)
+    assert answers == [alone.generate(f"def f{i}(x):", params)[0].token_ids for i in range(3)]

@@ -73,17 +73,17 @@ def engine_config(args, engine_options: dict):
 
 
 def _load(config):
-    """The started engine (step-latency model calibrated), or None after saying why not."""
+    """The started engine (its calibration kept, or measured between requests), or None
+    after saying why not."""
     from expresslane.engine.async_engine import AsyncEngine
     from expresslane.engine.engine import LLMEngine
     from expresslane.errors import ExpresslaneError
 
     try:
-        engine = AsyncEngine(LLMEngine(config))
+        engine = AsyncEngine(LLMEngine(config), serve_while_calibrating=True)
     except (ExpresslaneError, OSError, ValueError, KeyError) as e:
         fail(PROG, f"cannot load the model: {e}")
         return None
-    # Calibrate the step-latency model on a quiet machine, before the server starts.
     while not engine.ready.wait(1.0):
         if not engine.is_alive():
             fail(PROG, "the engine stopped while starting")

@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from expresslane.engine.calibration import Calibration
 from expresslane.engine.engine import LLMEngine
 from expresslane.engine.openmp import name_thread, release_team
 from expresslane.engine.output import RequestOutput
@@ -70,16 +71,21 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, calibrate: bool | None = None):
+    def __init__(
+        self, engine: LLMEngine, calibrate: bool | None = None, serve_while_calibrating=False
+    ):
+        """`calibrate`: the engine config's by default. `serve_while_calibrating`: ready at
+        once, the calibration measured between requests; else ready once it is measured."""
         self.engine = engine
         self._calibrate = engine.config.calibrate if calibrate is None else calibrate
+        self._serve_while_calibrating = serve_while_calibrating
         self.lane_load = LaneCounts()  # requests submitted and not finished, per lane
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[OutputSink, asyncio.AbstractEventLoop, str]] = {}
         self._lock = threading.Lock()
         self._stop = False
-        self.ready = threading.Event()  # set once calibrated and stepping
+        self.ready = threading.Event()  # set once stepping (calibrated, unless serving meanwhile)
         release_team()  # the step loop's OpenMP team must be the only one (engine/openmp.py)
         self._thread = threading.Thread(target=self._loop, name=STEP_THREAD, daemon=True)
         self._thread.start()
@@ -213,17 +219,15 @@ class AsyncEngine:
     def _loop(self) -> None:
         name_thread(STEP_THREAD)
         eng = self.engine
-        if self._calibrate:
-            try:
-                eng.calibrate()
-            except Exception:  # serving uncalibrated beats not serving: the model fits online
-                log.exception("step-latency calibration failed")
+        calibration = self._start_calibration()
         # What exists now (model, tokenizer, caches) lives as long as the engine: keep it out
         # of the garbage collector's scans, whose pauses would show up as step-time spikes.
         gc.freeze()
         self.ready.set()
         while not self._stop:
             self._deliver(self._drain_inbox())
+            if calibration is not None and not calibration.done and calibration.turn():
+                continue
             if not eng.has_unfinished():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -239,3 +243,18 @@ class AsyncEngine:
                 outputs = eng.fail_all(f"internal engine error: {type(e).__name__}: {e}")
             self._deliver(outputs)
         self._deliver(self._drain_inbox())
+
+    def _start_calibration(self) -> Calibration | None:
+        """The kept calibration taken, or one to measure between requests; None when this
+        engine does not calibrate (or could not start to)."""
+        if not self._calibrate:
+            return None
+        try:
+            calibration = Calibration(self.engine)
+        except Exception:  # serving uncalibrated beats not serving: the model fits online
+            log.exception("step-latency calibration failed")
+            self.engine.targets.held = False
+            return None
+        while not (self._serve_while_calibrating or calibration.done or self._stop):
+            calibration.step()
+        return calibration
