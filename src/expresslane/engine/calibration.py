@@ -50,7 +50,7 @@ class Calibration:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.cache = CalibrationCache.of(engine.config, engine.config.model_dir, engine.device)
+        self.cache = CalibrationCache.of(engine.config, engine.model_dir, engine.device)
         self.rng = torch.Generator().manual_seed(0)
         self.runs: deque[tuple[int, int]] = deque()  # (index, batch) still to measure
         self.running: list[str] = []  # the run in flight: its request ids

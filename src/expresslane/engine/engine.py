@@ -38,7 +38,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.torch_device()
-        mcfg = ModelConfig.from_dir(config.model_dir)
+        self.model_dir = config.model_dir  # resolved once: a Hub name may ask the network
+        mcfg = ModelConfig.from_dir(self.model_dir)
         self.parallel: TensorParallelGroup | None = None  # with tensor_parallel_size > 1
         try:
             self._start(config, mcfg)
@@ -90,7 +91,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # the workers load their shards meanwhile
             self.parallel = TensorParallelGroup(config, max_len)
         self.model, self.model_config = load_model(
-            config.model_dir,
+            self.model_dir,
             self.dtype,
             self.device,
             max_len,
@@ -100,7 +101,7 @@ class LLMEngine:
         )
         self.lanes = build_lanes(config.lanes)
         self.factory = RequestFactory(
-            config.model_dir,
+            self.model_dir,
             mcfg,
             self.lanes,
             max_len,
