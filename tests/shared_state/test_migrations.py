@@ -164,4 +164,4 @@ def test_an_old_store_file_gains_its_origin_columns_and_a_version(tmp_path):
         assert s.get("resp_old", "local").response["status"] == "completed"
     finally:
         s.close()
-    assert [v for v, _ in versions(path)["responses"]] == [1]
+    assert [v for v, _ in versions(path)["responses"]] == [1, 2]

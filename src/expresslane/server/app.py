@@ -9,6 +9,7 @@ The server talks to the engine only through `AsyncEngine`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from pathlib import Path
@@ -23,7 +24,7 @@ from expresslane.engine.protocol import ServingEngine
 from expresslane.server import chat, completions, responses, tiers, tokenize, websocket
 from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware
-from expresslane.server.durability import recover
+from expresslane.server.durability import recover, sweep
 from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
 from expresslane.server.lifecycle import DrainGate, Lifecycle, interrupt_all, readiness
 from expresslane.server.metering import Prices
@@ -66,7 +67,9 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         recover(state.store, accounts)  # what a killed server left running
+        sweeper = asyncio.get_running_loop().create_task(sweep(state.store, accounts))
         yield
+        sweeper.cancel()
         await interrupt_all(state)  # whatever outlived the graceful period: kept, billed
         state.store.close()
         accounts.close()

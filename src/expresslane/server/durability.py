@@ -7,13 +7,18 @@
   bounded by 1/64 of a row write.
 - `mark_interrupted`: a response the server stopped becomes `incomplete`, keeping its output,
   with `incomplete_details.reason` and an `error` that say why.
-- `recover`: when the server starts, responses left `queued`/`in_progress` (the server was
-  killed) are marked so and their tokens billed in the ledger, once per response even if the
-  server restarts again before the store is updated.
+- `recover`: when the server starts, and every `SWEEP_SECONDS` after, responses left
+  `queued`/`in_progress` by a server that is gone (killed; its lease, `store_lease.py`, says
+  so) are marked so and their tokens billed in the ledger, once per response even if the
+  server restarts again before the store is updated. Another live server's responses are not
+  touched (two servers on the same files, a fleet ingress's rolling restart).
+  The ledger takes one row per request id (`metering.py`), so an owner whose lease was
+  taken while it stalled cannot bill a response the recovery billed, nor the reverse.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,6 +30,7 @@ log = logging.getLogger("expresslane.server")
 PROGRESS_SECONDS = 0.5
 PROGRESS_TOKENS = 64
 PROGRESS_MAX_SECONDS = 5.0
+SWEEP_SECONDS = 5.0
 
 RESTARTED = (
     "server_restarted",
@@ -110,6 +116,17 @@ def recover(store: ResponseStore, accounts: Accounts) -> int:
     if left:
         log.warning("%d stored response(s) were left unfinished: marked incomplete", len(left))
     return len(left)
+
+
+async def sweep(store: ResponseStore, accounts: Accounts, seconds: float = SWEEP_SECONDS):
+    """Recover, every `seconds`, what servers that died since left unfinished (run as a task
+    for the server's life)."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await asyncio.to_thread(recover, store, accounts)
+        except Exception:  # a database hiccup: the next sweep tries again
+            log.exception("could not recover the responses of servers that are gone")
 
 
 def _usage(input_tokens: int, cached: int, output: int) -> dict:

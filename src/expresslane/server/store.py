@@ -13,6 +13,9 @@ everything in memory (tests). In PostgreSQL (`database.py`) the writer and the r
 connection each, and the batches are transactions there.
 
 Old files gain the origin columns on open (migration 1); their rows belong to the local owner.
+Each row also names the server instance that wrote it last (`server_id`, migration 2), whose
+lease (`store_lease.py`) says whether it still runs: a starting server recovers only the
+unfinished rows of owners that are gone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import astuple, dataclass, field, fields
 from expresslane.server.database import Database, connect
 from expresslane.server.keys import LOCAL_OWNER, OPEN_ACCESS_ID
 from expresslane.server.migrations import Migration, migrate
+from expresslane.server.store_lease import TABLE as LEASES
+from expresslane.server.store_lease import StoreLease
 from expresslane.server.store_writer import StoreWriter
 
 SCHEMA = """
@@ -39,9 +44,8 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 BASE_COLUMNS = ("id", "created_at", "updated_at", "status", "response", "input_items", "context")
 UNFINISHED = ("queued", "in_progress")
-# A shared database's unfinished responses may be running on another server: one starting
-# recovers only those no server has saved for this long (a running one saves its progress at
-# least every few seconds while it generates; a queued one waits at most its queue deadline).
+# Rows written before owners were recorded (server_id ''): in a shared database one starting
+# server recovers only those no server has saved for this long.
 SHARED_IDLE_SECONDS = 600.0
 
 
@@ -58,7 +62,7 @@ class Origin:
 
 
 ORIGIN_COLUMNS = tuple(f.name for f in fields(Origin))
-COLUMNS = BASE_COLUMNS + ORIGIN_COLUMNS
+COLUMNS = BASE_COLUMNS + ORIGIN_COLUMNS + ("server_id",)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class StoredResponse:
     input_items: list[dict]
     context: list[dict]  # chat messages up to and including this response's output
     origin: Origin = field(default_factory=Origin)
+    server_id: str = ""  # the server instance that wrote it last ("": before owners were kept)
 
     @property
     def owner(self) -> str:
@@ -93,7 +98,11 @@ MIGRATIONS = [
             _add_origin_columns,
             "CREATE INDEX IF NOT EXISTS responses_status ON responses (status)",
         ),
-    )
+    ),
+    Migration(
+        2,
+        (LEASES, "ALTER TABLE responses ADD COLUMN server_id TEXT NOT NULL DEFAULT ''"),
+    ),
 ]
 
 
@@ -104,6 +113,7 @@ def _decode(row: tuple) -> StoredResponse:
         json.loads(values["input_items"]),
         json.loads(values["context"]),
         Origin(*(values[c] for c in ORIGIN_COLUMNS)),
+        values["server_id"],
     )
 
 
@@ -118,6 +128,7 @@ class ResponseStore:
         else:  # WAL: a reader never waits for the writer's fsync
             self._read_db = connect(path)
         self._writer = StoreWriter(write_db, COLUMNS)
+        self.lease = StoreLease(self._read_db)
 
     def put(
         self,
@@ -139,6 +150,7 @@ class ResponseStore:
             json.dumps(input_items),
             json.dumps(context),
             *astuple(origin or Origin()),
+            self.lease.server_id,
         )
         return self._writer.put(response["id"], row)
 
@@ -169,18 +181,24 @@ class ResponseStore:
         await self._writer.committed(batch)
 
     def unfinished(self, idle_seconds: float | None = None) -> list[StoredResponse]:
-        """Responses left queued or in progress (after a crash, when the server starts) and
-        not saved for `idle_seconds` (default: 0, or `SHARED_IDLE_SECONDS` in a database
-        other servers share)."""
+        """Responses left queued or in progress by servers that are gone (their leases are
+        taken here: see `StoreLease.reap`), and those from before owners were kept that were
+        not saved for `SHARED_IDLE_SECONDS` in a shared database. With `idle_seconds`: every
+        unfinished response not saved for that long, whoever runs it."""
         self.flush()
-        if idle_seconds is None:
-            idle_seconds = SHARED_IDLE_SECONDS if self._read_db.shared else 0.0
         marks = ", ".join("?" * len(UNFINISHED))
-        rows = self._read_db.execute(
-            f"SELECT {', '.join(COLUMNS)} FROM responses WHERE status IN ({marks})"
-            + (" AND updated_at <= ?" if idle_seconds > 0 else ""),
-            (*UNFINISHED, time.time() - idle_seconds) if idle_seconds > 0 else UNFINISHED,
-        ).rows
+        where = f"SELECT {', '.join(COLUMNS)} FROM responses WHERE status IN ({marks})"
+        if idle_seconds is not None:
+            sql, params = where + " AND updated_at <= ?", (time.time() - idle_seconds,)
+        else:
+            self.lease.reap()
+            legacy = SHARED_IDLE_SECONDS if self._read_db.shared else 0.0
+            sql = where + (
+                " AND ((server_id = '' AND updated_at <= ?) OR (server_id <> '' AND "
+                "server_id NOT IN (SELECT server_id FROM server_leases)))"
+            )
+            params = (time.time() - legacy,)
+        rows = self._read_db.execute(sql, (*UNFINISHED, *params)).rows
         return [_decode(r) for r in rows]
 
     def flush(self) -> None:
@@ -194,6 +212,7 @@ class ResponseStore:
     def close(self) -> None:
         """Commit what is pending, then close."""
         self._writer.close()
+        self.lease.close()
         self._read_db.close()
         if self._read_db is not self._writer.db:
             self._writer.db.close()
