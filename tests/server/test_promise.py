@@ -37,6 +37,7 @@ LANES = {
     }
 }
 FOREVER = {"ignore_eos": True}  # with max_tokens near the context: runs until closed
+OPERATOR = "op-secret"  # `serve --api-key`: sees /metrics per key
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine, db, keys):
-    settings = ServerSettings(store_path=":memory:", accounts_path=db)
+    settings = ServerSettings(store_path=":memory:", accounts_path=db, api_key=OPERATOR)
     with ServerThread(create_app(engine, settings)) as s:
         yield s
 
@@ -179,10 +180,15 @@ def test_missed_promises_are_billed_at_the_default_price(server, engine, db, key
     assert speed["promised_tokens_per_s"] == 1e9 and ttft["promised_ttft_s"] == 1e-9
     assert sum(r["cost"] + r["refund"] for r in rows) == pytest.approx(3 * listed)
 
-    metrics = httpx.get(server.url + "/metrics").text
+    operator = {"authorization": f"Bearer {OPERATOR}"}
+    metrics = httpx.get(server.url + "/metrics", headers=operator).text
     assert 'promise_tokens_per_second{model_name="llama",tier="ultrafast"} 30.0' in metrics
     missed = f'requests_total{{key="{mine}",model_name="llama",outcome="missed",tier="ultrafast"}}'
     assert missed + " 2.0" in metrics
+    for tenant in ({}, {"authorization": f"Bearer {keys['bill']}"}):  # summed over keys
+        anyone = httpx.get(server.url + "/metrics", headers=tenant).text
+        assert 'key="' not in anyone
+        assert 'requests_total{model_name="llama",outcome="missed",tier="ultrafast"}' in anyone
     assert 'promise_attainment{model_name="llama",tier="ultrafast"}' in metrics
     windows = json.loads(run_cli("usage", "--promise", "--json", "--db", db))
     judged = [w for w in windows if w["key_id"] == mine]

@@ -172,3 +172,40 @@ def test_openai_sdk_connect(server, model_name):
     assert types[0] == "response.created"
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_a_client_that_floods_the_inbox_is_closed_with_an_error(tool_engine):
+    settings = ServerSettings(
+        store_path=":memory:", websocket_max_queued_messages=2, served_model_name="llama"
+    )
+    with ServerThread(create_app(tool_engine, settings)) as srv:
+        async with websockets.connect(ws_url(srv)) as ws:
+            long = create("llama", input="hi", max_output_tokens=100, ignore_eos=True)
+            for _ in range(6):  # one runs, two may wait: the fourth has no room
+                await ws.send(long)
+            events = []
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    events.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            errors = [e for e in events if e["type"] == "error"]
+            assert [e["error"]["code"] for e in errors] == ["websocket_inbox_full"]
+            assert ws.close_code == 1008
+
+
+async def test_cross_site_pages_cannot_open_websocket_mode_on_an_open_server(tool_engine):
+    settings = ServerSettings(store_path=":memory:", served_model_name="llama")
+    with ServerThread(create_app(tool_engine, settings)) as srv:
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(ws_url(srv), origin="http://attacker.example")
+        assert refused.value.response.status_code == 403
+        for origin in (srv.url, None):  # its own page, or not a browser
+            async with websockets.connect(ws_url(srv), origin=origin) as ws:
+                await ws.send(create("llama", input="hi"))
+                assert (await turn(ws))[-1]["type"] == "response.completed"
+    settings.websocket_allowed_origins = ["http://app.example"]
+    with ServerThread(create_app(tool_engine, settings)) as srv:
+        async with websockets.connect(ws_url(srv), origin="http://app.example") as ws:
+            await ws.send(create("llama", input="hi"))
+            assert (await turn(ws))[-1]["type"] == "response.completed"
+        with pytest.raises(websockets.InvalidStatus):
+            await websockets.connect(ws_url(srv), origin="http://attacker.example")

@@ -23,7 +23,7 @@ from fastapi_offline import FastAPIOffline
 from expresslane.engine.protocol import ServingEngine
 from expresslane.server import chat, completions, responses, tiers, tokenize, websocket
 from expresslane.server.accounts import Accounts, QueueLimits
-from expresslane.server.auth import AuthMiddleware
+from expresslane.server.auth import AuthMiddleware, operator_key
 from expresslane.server.durability import recover, sweep
 from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
 from expresslane.server.lifecycle import DrainGate, Lifecycle, interrupt_all, readiness
@@ -182,7 +182,9 @@ async def ready(request: Request):
 
 @_operations.get("/metrics")
 async def metrics(request: Request):
-    body = get_state(request).metrics.render()
+    state = get_state(request)
+    per_key = state.settings.metrics_per_key or operator_key(request, state.accounts) is not None
+    body = state.metrics.render(per_key)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -5,6 +5,10 @@ The authenticated key is left in the request's state (`request.state.api_key`); 
 `request.state.ticket` once it has admitted the request, and the ticket's `x-ratelimit-*`
 headers and the tier that serves it (`x-expresslane-served-tier`, a downgraded request's
 included) are added when the response starts.
+
+An Authorization header that is not printable ASCII is refused with 401 before any lookup
+(no key has such characters). `operator_key` authenticates the routes outside /v1 that only
+the operator may see (`/fleet/status`, per-key `/metrics`).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from expresslane.server.database import DatabaseUnavailable
 from expresslane.server.errors import APIError, database_unavailable
+from expresslane.server.keys import OPEN_ACCESS_ID, ApiKey
 
 log = logging.getLogger("expresslane.server")
 SERVED_TIER = "x-expresslane-served-tier"
@@ -33,7 +39,7 @@ class AuthMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         state = scope.setdefault("state", {})
         try:
-            state["api_key"] = self.accounts.authenticate(headers.get("authorization"))
+            state["api_key"] = authenticate(self.accounts, headers.get("authorization"))
         except APIError as e:
             await _deny(scope, send, e)
             return
@@ -57,6 +63,41 @@ class AuthMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+def authenticate(accounts, authorization: str | None) -> ApiKey:
+    """The key the Authorization header names (raises APIError 401 as `Accounts` does)."""
+    if authorization is not None and not (authorization.isascii() and authorization.isprintable()):
+        raise APIError(
+            401,
+            "Incorrect API key provided: the Authorization header must be printable ASCII "
+            "('Authorization: Bearer <key>').",
+            code="invalid_api_key",
+        )
+    return accounts.authenticate(authorization)
+
+
+def operator_key(request: Request, accounts) -> ApiKey | None:
+    """The request's key if it is an operator's (open local mode counts: everyone is), else
+    None; a wrong key is None too."""
+    try:
+        key = authenticate(accounts, request.headers.get("authorization"))
+    except APIError:
+        return None
+    return key if key.operator or key.id == OPEN_ACCESS_ID else None
+
+
+def require_operator(request: Request, accounts) -> ApiKey:
+    """`operator_key`, or a 401/403 APIError in the OpenAI error shape."""
+    key = operator_key(request, accounts)
+    if key is not None:
+        return key
+    authenticate(accounts, request.headers.get("authorization"))  # a bad key: its 401
+    raise APIError(
+        403,
+        "This route is for the server's operator: use the --api-key key or an operator key.",
+        code="operator_key_required",
+    )
 
 
 async def _deny(scope: Scope, send: Send, error: APIError) -> None:

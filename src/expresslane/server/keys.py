@@ -7,6 +7,8 @@ for is unavailable (lane full, or a tier it lacks): `queue` (wait in the lane; a
 still refused), `downgrade` (served by the next lane down it may use, or for a tier it lacks by
 its default tier; echoed in the response) or `reject`.
 With no key created at all the server runs in open local mode: anyone may use every tier.
+An operator key (`serve --api-key`, or a plan with `operator: true`) also sees what concerns
+every tenant: per-key metrics, `/fleet/status`, the fleet's replica headers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from expresslane.server.migrations import Migration, migrate
 KEY_PREFIX = "el-"
 POLICIES = ("queue", "downgrade", "reject")
 OPEN_ACCESS_ID = "local"  # the id of the key every request has in open local mode
+OPERATOR_KEY_ID = "api-key"  # the id of `serve --api-key`'s key (accounts.SERVER_KEY)
 LOCAL_OWNER = "local"  # who owns what is made in open local mode (and rows older than owners)
 
 SCHEMA = """
@@ -55,6 +58,7 @@ class Plan:
     monthly_tokens: int | None = None
     when_unavailable: str = "queue"
     regions: list[str] | None = None  # a fleet's regions it may be served in; None: any
+    operator: bool = False  # sees every tenant's metrics and where requests ran
 
     def __post_init__(self):
         bad = sorted(set(self.tiers) - set(LANE_NAMES))
@@ -94,6 +98,11 @@ class ApiKey:
         created under one name shares them; open local mode is one owner, `LOCAL_OWNER`. The
         `key:` prefix keeps a key's name from ever equalling `LOCAL_OWNER`."""
         return LOCAL_OWNER if self.id == OPEN_ACCESS_ID else f"key:{self.name}"
+
+    @property
+    def operator(self) -> bool:
+        """The server's operator: `serve --api-key`'s key, or a key whose plan says so."""
+        return self.id == OPERATOR_KEY_ID or self.plan.operator
 
 
 OPEN_ACCESS = ApiKey(

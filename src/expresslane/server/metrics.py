@@ -5,12 +5,17 @@ TTFT = received -> first output token ready to send; TPOT (per request) = (e2e -
 (output tokens - 1); ITL = gaps between successive token batches; queue time = engine arrival
 -> first scheduled. Load gauges (running/waiting requests, KV blocks) are read from the engine
 at scrape time.
+
+Counters by API key (promise outcomes, refunds: `attainment.py`) show every tenant's use: a
+scrape sees them per key only with an operator key (or `[server] metrics_per_key = true`);
+otherwise they are summed over keys, without the `key` label.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from expresslane.engine.output import RequestOutput
 from expresslane.lanes import LANE_NAMES
@@ -230,5 +235,33 @@ class ServerMetrics:
             if n > 1:
                 self.tpot.labels(*labels).observe((finished - received - ttft) / (n - 1))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_key: bool = False) -> bytes:
+        """The scrape; per API key only with `per_key` (see the module's doc)."""
+        return generate_latest(self.registry if per_key else _WithoutLabel(self.registry, "key"))
+
+
+class _WithoutLabel:
+    """A registry's metrics with one label summed away (`_created` samples: the earliest)."""
+
+    def __init__(self, registry: CollectorRegistry, label: str):
+        self.registry, self.label = registry, label
+
+    def collect(self):
+        for family in self.registry.collect():
+            if any(self.label in sample.labels for sample in family.samples):
+                family = self._merged(family)
+            yield family
+
+    def _merged(self, family: Metric) -> Metric:
+        merged = Metric(family.name, family.documentation, family.type, family.unit)
+        values: dict[tuple, float] = {}
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != self.label))
+            key = (sample.name, labels)
+            if sample.name.endswith("_created"):
+                values[key] = min(values.get(key, sample.value), sample.value)
+            else:
+                values[key] = values.get(key, 0.0) + sample.value
+        for (name, labels), value in values.items():
+            merged.add_sample(name, dict(labels), value)
+        return merged

@@ -51,6 +51,11 @@ class ServerSettings:
     accounts_path: str | None = None  # API keys + usage ledger (SQLite); None: default path
     database: str | None = None  # postgresql://...: keys, ledger, store, limits shared there
     websocket_max_connection_seconds: float = 3600.0  # WebSocket mode connection lifetime
+    websocket_max_queued_messages: int = 16  # sent ahead of the one running; more: closed
+    # Browser origins (the Origin header) that may open WebSocket mode ("*": any). None: any
+    # with API keys configured (a key is needed anyway), only the server's own in open mode.
+    websocket_allowed_origins: list[str] | None = None
+    metrics_per_key: bool = False  # /metrics by API key for any scraper (else: operator keys)
     max_body_bytes: int = 16 * 2**20  # request bodies larger than this get 413
     max_input_items: int = 4096  # messages, input items or prompts in one request
     max_tools: int = 128  # tools declared in one request

@@ -10,6 +10,13 @@ continuation evicts the id it continued from. Errors are `{"type": "error", "sta
 closes (1000); a disconnect aborts the response in flight and frees its KV blocks. While the
 server drains (`lifecycle.py`) a new message gets a 503 `server_shutting_down` error.
 `previous_response_id` reaches only the key owner's stored responses (`resolve_previous`).
+
+Messages wait in a bounded inbox: a client that sends more than
+`websocket_max_queued_messages` ahead of the one running, or more bytes than a request body
+may have (`max_body_bytes`), gets a `websocket_inbox_full` error and the connection is closed
+(1008). Browsers do not apply CORS to WebSockets, so the Origin header is checked when the
+connection opens (`_origin_allowed`): a page on another site cannot drive
+an open server through its visitor's browser.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -32,6 +40,7 @@ from expresslane.server.errors import (
     invalid,
     validation_error,
 )
+from expresslane.server.keys import OPEN_ACCESS_ID
 from expresslane.server.lifecycle import refusal
 from expresslane.server.response_job import create_job
 from expresslane.server.schemas import WsResponseCreate
@@ -48,6 +57,9 @@ class Connection:
         self.ws = ws
         self.deadline = time.monotonic() + state.settings.websocket_max_connection_seconds
         self.inbox: asyncio.Queue[str] = asyncio.Queue()
+        self.max_queued = state.settings.websocket_max_queued_messages
+        self.max_bytes = state.settings.max_body_bytes
+        self.queued_bytes = 0
         self.local: dict[str, list[dict]] = {}  # latest response id -> its conversation
 
     async def send_error(self, err: APIError, extra: dict | None = None) -> None:
@@ -75,14 +87,33 @@ class Connection:
                 text = message.get("text")
                 if text is None and message.get("bytes") is not None:
                     text = message["bytes"].decode("utf-8", "replace")
-                if text is not None:
-                    self.inbox.put_nowait(text)
+                if text is not None and not await self._queue(text):
+                    return
+
+    async def _queue(self, text: str) -> bool:
+        """Put the message in the inbox; False (the connection is closed) if it is full."""
+        size = len(text)
+        if self.inbox.qsize() >= self.max_queued or self.queued_bytes + size > self.max_bytes:
+            await self.send_error(
+                invalid(
+                    f"More than {self.max_queued} messages or {self.max_bytes} bytes were "
+                    "sent ahead of the response running; wait for each response's last "
+                    "event before sending more. The connection is closed.",
+                    code="websocket_inbox_full",
+                )
+            )
+            await self.ws.close(code=1008)
+            return False
+        self.queued_bytes += size
+        self.inbox.put_nowait(text)
+        return True
 
     async def _work(self) -> None:
         while True:
             remaining = self.deadline - time.monotonic()
             try:
                 text = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0))
+                self.queued_bytes -= len(text)
             except asyncio.TimeoutError:
                 text = None
             if text is None or time.monotonic() >= self.deadline:
@@ -141,6 +172,9 @@ class Connection:
 
 @router.websocket("/v1/responses")
 async def responses_websocket(ws: WebSocket):
+    if not _origin_allowed(ws):
+        await ws.close(code=1008)  # before accepting: the handshake is refused with 403
+        return
     await ws.accept()
     conn = Connection(ws.app.state.server, ws)
     try:
@@ -150,6 +184,18 @@ async def responses_websocket(ws: WebSocket):
         with contextlib.suppress(Exception):
             await conn.send_error(internal_error())
             await ws.close(code=1011)
+
+
+def _origin_allowed(ws: WebSocket) -> bool:
+    """No Origin (not a browser), the server's own, one of `websocket_allowed_origins`; with
+    that setting unset, any origin once API keys are configured (each connection needs one)."""
+    origin = ws.headers.get("origin")
+    if origin is None or urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower():
+        return True
+    allowed = ws.app.state.server.settings.websocket_allowed_origins
+    if allowed is None:
+        return ws.state.api_key.id != OPEN_ACCESS_ID
+    return "*" in allowed or origin.rstrip("/") in {a.rstrip("/") for a in allowed}
 
 
 def _message(text: str, extra: dict) -> dict:
