@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -251,3 +252,23 @@ def test_close_stops_the_workers(llama_dir):
     assert not any(p.is_alive() for p in processes)
     assert all(p.exitcode == 0 for p in processes)  # told to stop, not killed
     assert torch.get_num_threads() == threads
+
+
+def test_the_ranks_sockets_listen_on_loopback_only(llama_dir):
+    """Neither gloo's sockets nor the rendezvous store take authentication: none may listen
+    on a public interface (the store listened on `::`; gloo binds what the host name resolves
+    to, loopback on this machine)."""
+    import psutil
+
+    engine = tp_engine(llama_dir)
+    try:
+        pids = [os.getpid()] + [p.pid for p in engine.parallel.processes]
+        listening = [
+            c.laddr.ip
+            for pid in pids
+            for c in psutil.Process(pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
+    finally:
+        engine.close()

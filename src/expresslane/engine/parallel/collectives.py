@@ -1,10 +1,18 @@
 """The collectives of a tensor-parallel group, on one `torch.distributed` process group made
 directly from a store (no global default group: several engines may live in one process).
-Gloo on a CPU, NCCL on CUDA; every call waits at most `timeout`."""
+Gloo on a CPU, NCCL on CUDA; every call waits at most `timeout`.
+
+Every rank is a process on this machine, and gloo's sockets take no authentication: they bind
+127.0.0.1 (gloo's default is the address the host name resolves to, which may be a public
+interface), unless `GLOO_SOCKET_IFNAME` names an interface to use instead. The rendezvous
+store listens on a loopback socket made here: given only a host name, TCPStore listens on
+every interface (`::`)."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from collections.abc import Callable
 
 import torch
@@ -21,14 +29,37 @@ class CollectiveError(RuntimeError):
 
 
 def host_store(size: int) -> dist.TCPStore:
-    """The rendezvous store rank 0 hosts on a free local port (`.port`)."""
+    """The rendezvous store rank 0 hosts on a free loopback port (`.port`)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(size)
+    port = listener.getsockname()[1]
     return dist.TCPStore(
-        "127.0.0.1", 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False
+        "127.0.0.1",
+        port,
+        size,
+        True,
+        timeout=RENDEZVOUS_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns the socket now
     )
 
 
 def join_store(port: int, size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, size, False, timeout=RENDEZVOUS_TIMEOUT)
+
+
+def gloo_options() -> dist.ProcessGroupGloo._Options:
+    """Gloo's options: `COLLECTIVE_TIMEOUT`, sockets on loopback unless configured."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        device = dist.ProcessGroupGloo.create_device(interface=interface)
+    else:
+        device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    options._devices = [device]
+    return options
 
 
 class Collectives:
@@ -39,7 +70,7 @@ class Collectives:
         if device.type == "cuda":  # untested here; NCCL's own timeout applies
             self.group = dist.ProcessGroupNCCL(store, rank, size)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+            self.group = dist.ProcessGroupGloo(store, rank, size, gloo_options())
         # what a failed collective raises, made from the CollectiveError (rank 0's group's)
         self.on_error: Callable[[CollectiveError], Exception] | None = None
 
