@@ -1,19 +1,27 @@
 """Tokenizer (Hugging Face `tokenizers`), chat template rendering (jinja2, as transformers
-does it) and incremental detokenization for streaming."""
+does it) and incremental detokenization for streaming.
+
+A rendered chat prompt (`user_text.ChatPrompt`) encodes its client-written special-token text
+as text (`_encode_chat`); streamed text that keeps special tokens spells them apart from text
+that only looks like one (`spelled.py`)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
 
 from expresslane.errors import InvalidRequestError, ModelLoadError
+from expresslane.spelled import SpelledStream, openers
+from expresslane.user_text import ChatPrompt, SpecialTexts
 
 
 def _token_text(tok) -> str | None:
@@ -79,6 +87,9 @@ class Tokenizer:
         # the template tools are rendered with: "tool_use" where the model has one
         self.chat_template_source = sources.get("tool_use", sources.get("default"))
         self._texts: dict[int, str] = {}  # token id -> its text alone (logprobs name each token)
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._openers = openers(added[i].content for i in self.special_ids)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -111,7 +122,42 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(text, ChatPrompt) and text.marks:
+            return self._encode_chat(text, add_special_tokens)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def special_texts(self) -> SpecialTexts:
+        """The special tokens' texts, to mark in client strings (`user_text.py`)."""
+        added = self._tok.get_added_tokens_decoder()
+        return SpecialTexts(added[i].content for i in self.special_ids)
+
+    @cached_property
+    def _plain(self) -> HFTokenizer:
+        """The tokenizer encoding special tokens' texts as text."""
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _encode_chat(self, prompt: ChatPrompt, add_special_tokens: bool) -> list[int]:
+        """The prompt's special tokens but those spanning a mark (client-written), and the text
+        between them encoded with no special token at all; as `encode` when there are none."""
+        whole = self._tok.encode(prompt, add_special_tokens=False)
+        kept = [
+            (a, b)
+            for i, (a, b) in zip(whole.ids, whole.offsets, strict=True)
+            if i in self.special_ids and not _spans_mark(prompt.marks, a, b)
+        ]
+        if len(kept) == sum(i in self.special_ids for i in whole.ids):
+            return self._tok.encode(prompt, add_special_tokens=add_special_tokens).ids
+        parts, pos = [], 0
+        for a, b in kept:
+            parts += [self._plain.encode(prompt[pos:a], add_special_tokens=False)]
+            parts += [self._tok.encode(prompt[a:b], add_special_tokens=False)]
+            pos = b
+        parts.append(self._plain.encode(prompt[pos:], add_special_tokens=False))
+        merged = Encoding.merge(parts, growing_offsets=True)
+        return self._tok.post_process(merged, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -154,9 +200,15 @@ class Tokenizer:
                 f"the chat template rejected these messages: {e}", param="messages"
             ) from e
 
-    def stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> DecodeStream:
+    def stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> SpelledStream:
         """An incremental detokenizer primed with the prompt's tail (for correct spacing)."""
-        return DecodeStream(ids=prompt_ids[-4:], skip_special_tokens=skip_special_tokens)
+        return SpelledStream(prompt_ids[-4:], skip_special_tokens, self.special_ids, self._openers)
 
-    def step(self, stream: DecodeStream, token_id: int) -> str:
-        return stream.step(self._tok, token_id) or ""
+    def step(self, stream: SpelledStream, token_id: int) -> str:
+        return stream.step(self._tok, token_id)
+
+
+def _spans_mark(marks: tuple[int, ...], start: int, end: int) -> bool:
+    """Whether a mark lies strictly inside [start, end)."""
+    i = bisect.bisect_right(marks, start)
+    return i < len(marks) and marks[i] < end

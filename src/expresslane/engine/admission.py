@@ -13,7 +13,9 @@ from expresslane.tokenizer import Tokenizer
 def tokenize(
     tokenizer: Tokenizer | None, vocab: int, prompt: str | list[int], add_special_tokens: bool
 ) -> tuple[list[int], str | None]:
-    """(token ids, prompt text or None); token ids given as the prompt must be in the vocab."""
+    """(token ids, prompt text or None); token ids given as the prompt must be in the vocab. A
+    rendered chat prompt (`user_text.ChatPrompt`) encodes its clients' special-token text as
+    text (`Tokenizer.encode`)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass token ids", param="prompt")

@@ -8,6 +8,12 @@ its role. `analysis` bodies are reasoning; a message to `functions.NAME` is a to
 passed on as content in one fixed markup that `HarmonyToolParser` (`tool_parsers.py`) reads;
 everything else (`final`, a `commentary` preamble) is content. Text with no header at all is
 content too (a model that does not write harmony loses nothing).
+
+The markers are read on the special tokens, not on text that spells them: the detokenizer
+writes a `<|` that ordinary tokens make with a word joiner inside (`spelled.py`), so text a
+model writes can neither end its message nor open a call; the text passed on is unspelled. The
+call markup passed on opens and closes with CALL_MARK, which no text passed on holds, so the
+tool parser finds only calls the model made with special tokens.
 """
 
 from __future__ import annotations
@@ -15,18 +21,28 @@ from __future__ import annotations
 import re
 
 from expresslane.server.reasoning import ReasoningParser, Split
+from expresslane.spelled import unspell
 
 MESSAGE = "<|message|>"
 BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 CALL_OPEN = "<|channel|>commentary to=functions."
 CALL_CLOSE = "<|call|>"
+CALL_MARK = "\ufdd1"  # a Unicode noncharacter: taken out of all text passed on
+CALL_START = CALL_MARK + CALL_OPEN
+CALL_END = CALL_MARK + CALL_CLOSE
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 
 
 def call_markup(name: str, arguments: str) -> str:
-    """A call as the harmony tool parser reads it (and as the grammar makes gpt-oss write it)."""
-    return f"{CALL_OPEN}{name} <|constrain|>json{MESSAGE}{arguments}{CALL_CLOSE}"
+    """A call as the harmony tool parser reads it (the header as the grammar makes gpt-oss
+    write it, between CALL_MARKs)."""
+    return f"{CALL_START}{name} <|constrain|>json{MESSAGE}{arguments}{CALL_END}"
+
+
+def passed_on(text: str) -> str:
+    """Body text as passed on: unspelled, with no CALL_MARK."""
+    return unspell(text).replace(CALL_MARK, "")
 
 
 class HarmonyReasoningParser(ReasoningParser):
@@ -60,7 +76,7 @@ class HarmonyStreamer:
             return self._emit(text) + self._close()
         if "<|channel|>" in text or MESSAGE in text:
             return Split()  # a header cut short: nothing of it is the answer
-        return Split(content=text.removeprefix("<|start|>assistant"))
+        return Split(content=passed_on(text.removeprefix("<|start|>assistant")))
 
     def _header(self) -> Split | None:
         """Reads a complete header, starting its body; None while it is incomplete."""
@@ -74,7 +90,7 @@ class HarmonyStreamer:
         if recipient and recipient.group(1).startswith("functions."):
             self.route = "call"
             name = recipient.group(1).removeprefix("functions.")
-            return Split(content=f"{CALL_OPEN}{name} <|constrain|>json{MESSAGE}")
+            return Split(content=f"{CALL_START}{name} <|constrain|>json{MESSAGE}")
         analysis = channel is not None and channel.group(1) == "analysis"
         self.route = "reasoning" if analysis else "content"
         return Split()
@@ -96,11 +112,11 @@ class HarmonyStreamer:
 
     def _emit(self, text: str) -> Split:
         if self.route == "reasoning":
-            return Split(reasoning=text)
-        return Split(content=text)
+            return Split(reasoning=passed_on(text))
+        return Split(content=passed_on(text))
 
     def _close(self) -> Split:
-        return Split(content=CALL_CLOSE) if self.route == "call" else Split()
+        return Split(content=CALL_END) if self.route == "call" else Split()
 
 
 def _partial_marker(text: str) -> int:

@@ -6,6 +6,8 @@ assistant turns with `tool_calls: [{"id", "type": "function", "function": {"name
 `developer` becomes `system`; an assistant turn's reasoning is its `thinking` (the name
 gpt-oss's template reads). A `function_call` item joins the assistant turn before it, so a
 replayed conversation renders exactly as the model wrote it and the KV prefix cache hits.
+Every string a client sent is rendered marked, so that its special-token text stays text
+(`user_text.py`): `render` gives a `ChatPrompt`, which the tokenizer encodes that way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from expresslane.errors import ExpresslaneError
 from expresslane.server.errors import from_engine_error, invalid
 from expresslane.server.tool_parsers import ToolCall
+from expresslane.user_text import ChatPrompt
 
 TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}
@@ -297,19 +300,37 @@ def render(
     tools: list[dict] | None,
     param: str = "input",
     effort: str | None = None,
+) -> ChatPrompt:
+    """The prompt for `messages`, its client strings kept text (`user_text.py`); `effort` (a
+    request's reasoning effort) reaches the template as `reasoning_effort`."""
+    return ChatPrompt.from_marked(render_marked(tokenizer, messages, tools, param, effort))
+
+
+def render_marked(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    param: str = "input",
+    effort: str | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """`effort` (a request's reasoning effort) reaches the template as `reasoning_effort`."""
+    """The chat template's text, every client string in it marked (`SpecialTexts.mark_all`)."""
     if tokenizer is None:
         raise invalid(
             "This model has no tokenizer, so it cannot render chat messages; use "
             "POST /v1/completions with token ids.",
             param=param,
         )
+    specials = tokenizer.special_texts
     try:
         extra = {"reasoning_effort": effort} if effort is not None else {}
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, **extra
+        return tokenizer.apply_chat_template(
+            specials.mark_all(messages),
+            tools=specials.mark_all(tools) or None,
+            add_generation_prompt=add_generation_prompt,
+            **extra,
         )
     except ExpresslaneError as e:
-        raise from_engine_error(e, {"messages": param}) from e
-    return text
+        error = from_engine_error(e)
+        error.param = param if error.param == "messages" else error.param
+        raise error from e

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from expresslane.server.errors import invalid
+from expresslane.server.schemas import REASONING_EFFORTS
 
 
 @dataclass
@@ -62,8 +63,13 @@ def reasoning_tokens(tokenizer, text: str) -> int:
 
 
 def requested_effort(reasoning: dict | None) -> str | None:
-    """A Responses request's `reasoning.effort`, for the chat template."""
+    """A Responses request's `reasoning.effort`, for the chat template: one of OpenAI's values,
+    never free text (gpt-oss's template writes it into the system message)."""
     effort = (reasoning or {}).get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise invalid("'reasoning.effort' must be a string.", param="reasoning.effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise invalid(
+            f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}.",
+            param="reasoning.effort",
+            code="invalid_value",
+        )
     return effort

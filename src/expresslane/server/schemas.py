@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from expresslane.lanes import TierName
 from expresslane.server.errors import invalid
 
+# OpenAI's values (the SDK's `ReasoningEffort`); gpt-oss's template writes it into its header
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+REASONING_EFFORTS: tuple[str, ...] = ReasoningEffort.__args__
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -209,7 +213,7 @@ class ChatCompletionRequest(EngineExtras):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)
-    reasoning_effort: str | None = None  # the chat template's `reasoning_effort`
+    reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort`
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
 

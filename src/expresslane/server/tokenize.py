@@ -2,10 +2,11 @@
 
 `/tokenize` takes a `prompt` (encoded as /v1/completions would, `add_special_tokens` true by
 default) or chat `messages` (rendered with the chat template as /v1/chat/completions would, with
-`add_generation_prompt`, `continue_final_message` and `tools`); it answers `{count,
-max_model_len, tokens}`, plus `token_strs` (the vocabulary pieces) when `return_token_strs` is
-true. `/detokenize` decodes `tokens` back to `{prompt}`, special tokens kept, and refuses ids
-outside the vocabulary. The paths sit outside /v1, so the routes check API keys themselves.
+`add_generation_prompt`, `continue_final_message` and `tools`, the messages' special-token
+text kept text as there); it answers `{count, max_model_len, tokens}`, plus `token_strs` (the
+vocabulary pieces) when `return_token_strs` is true. `/detokenize` decodes `tokens` back to
+`{prompt}`, special tokens kept, and refuses ids outside the vocabulary. The paths sit outside
+/v1, so the routes check API keys themselves.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from expresslane.errors import ExpresslaneError
 from expresslane.server.body import StrictJSONRoute
-from expresslane.server.errors import from_engine_error, invalid
+from expresslane.server.errors import invalid
 from expresslane.server.limits import check_count, off_loop, text_size
-from expresslane.server.prompt import chat_messages, template_tools
+from expresslane.server.prompt import chat_messages, render_marked, template_tools
 from expresslane.server.schemas import ChatTool, Strict
 from expresslane.server.state import ServerState, get_state
+from expresslane.user_text import ChatPrompt
 
 
 async def _authenticate(request: Request) -> None:
@@ -80,9 +81,10 @@ def _tokenizer(state: ServerState, param: str):
     return state.tokenizer
 
 
-def _chat_text(tokenizer, body: TokenizeChat) -> str:
+def _chat_prompt(tokenizer, body: TokenizeChat) -> ChatPrompt:
     """The chat template's text for the messages (cut after the last message's content when
-    continuing it, as Hugging Face's `continue_final_message` does)."""
+    continuing it, as Hugging Face's `continue_final_message` does), client strings kept text
+    as on the chat endpoints."""
     generation_prompt = body.add_generation_prompt
     if body.continue_final_message:
         if "add_generation_prompt" in body.model_fields_set and generation_prompt:
@@ -92,14 +94,11 @@ def _chat_text(tokenizer, body: TokenizeChat) -> str:
             )
         generation_prompt = False
     messages = chat_messages(body.messages)
-    tools = [t.function.model_dump() for t in body.tools or []]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=template_tools(tools) or None, add_generation_prompt=generation_prompt
-        )
-    except ExpresslaneError as e:
-        raise from_engine_error(e, {"messages": "messages"}) from e
-    final = messages[-1]["content"]
+    tools = template_tools([t.function.model_dump() for t in body.tools or []])
+    text = render_marked(
+        tokenizer, messages, tools, "messages", add_generation_prompt=generation_prompt
+    )
+    final = tokenizer.special_texts.mark(messages[-1]["content"])
     if body.continue_final_message and final:
         end = text.rfind(final)
         if end < 0:  # some templates strip the content they render
@@ -107,7 +106,7 @@ def _chat_text(tokenizer, body: TokenizeChat) -> str:
             end = text.rfind(final)
         if end >= 0:
             text = text[: end + len(final)]
-    return text
+    return ChatPrompt.from_marked(text)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
@@ -123,7 +122,7 @@ async def tokenize(body: TokenizeBody, request: Request):
     tokenizer = _tokenizer(state, param)
 
     def encode() -> list[int]:
-        text = body.prompt if isinstance(body, TokenizePrompt) else _chat_text(tokenizer, body)
+        text = body.prompt if isinstance(body, TokenizePrompt) else _chat_prompt(tokenizer, body)
         return tokenizer.encode(text, body.add_special_tokens)
 
     ids = await off_loop(encode, chars)

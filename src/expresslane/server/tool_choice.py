@@ -27,6 +27,9 @@ class ToolSetup:
 
     @property
     def declared(self) -> set[str]:
+        """The names a call may have: the named tool alone when the choice names one."""
+        if isinstance(self.choice, dict):
+            return {self.choice["name"]}
         return {t["name"] for t in self.tools}
 
 

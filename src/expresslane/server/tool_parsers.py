@@ -15,6 +15,8 @@ Each model family writes calls in its own markup; a parser knows one format:
 Streaming goes through `ToolCallStreamer`: text is passed on as it arrives until the start of
 tool-call markup, which is buffered to the end and parsed then, so markup never leaks into the
 visible text. Trailing whitespace is held back so the content before a call comes out stripped.
+Markers are read on the text as detokenized, where text that only spells a special token is told
+apart from it (`spelled.py`); the text passed on is unspelled.
 Malformed markup (bad JSON, a missing name, a truncated call) falls back to plain text.
 `ToolParser.parse(text)` runs the same streamer over the whole text, so a streamed result always
 equals the non-streamed one.
@@ -28,7 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from expresslane.server.grammars import CallMarkup
-from expresslane.server.harmony import CALL_OPEN
+from expresslane.server.harmony import CALL_END, CALL_MARK, CALL_OPEN, CALL_START
+from expresslane.spelled import unspell
 
 
 def new_call_id() -> str:
@@ -87,6 +90,10 @@ class ToolParser:
     def parse_calls(self, region: str) -> list[ToolCall] | None:
         """Parse markup that starts with a start marker; None when it is malformed."""
         raise NotImplementedError
+
+    def as_text(self, region: str) -> str:
+        """Markup that was not a call, as the text passed on."""
+        return region
 
     def streamer(self, declared: set[str] | None = None) -> ToolCallStreamer:
         return ToolCallStreamer(self, declared)
@@ -169,15 +176,20 @@ class MistralToolParser(ToolParser):
 
 
 class HarmonyToolParser(ToolParser):
+    """Reads the call markup `harmony.py` passes on (its calls between CALL_MARKs)."""
+
     name = "harmony"
     markup = CallMarkup(CALL_OPEN)  # calls have no JSON body: `harmony_grammar.py`
-    start_markers = (CALL_OPEN,)
+    start_markers = (CALL_START,)
     needs_special_tokens = True
     _block = re.compile(
-        re.escape(CALL_OPEN) + r"([^\s<]+)[^<]*(?:<\|constrain\|>\S*?)?<\|message\|>(.*?)"
-        r"(?:<\|call\|>|\Z)",
+        re.escape(CALL_START) + r"([^\s<]+)[^<]*(?:<\|constrain\|>\S*?)?<\|message\|>(.*?)"
+        rf"(?:{re.escape(CALL_END)}|\Z)",
         re.DOTALL,
     )
+
+    def as_text(self, region: str) -> str:
+        return region.replace(CALL_MARK, "")
 
     def parse_calls(self, region: str) -> list[ToolCall] | None:
         calls = []
@@ -202,6 +214,9 @@ class ToolCallStreamer:
         self.started = False  # some non-whitespace text has been seen
 
     def feed(self, delta: str) -> str:
+        return unspell(self._feed(delta))
+
+    def _feed(self, delta: str) -> str:
         if self.region is not None:
             self.region += delta
             return ""
@@ -250,6 +265,10 @@ class ToolCallStreamer:
         return best
 
     def finish(self) -> tuple[str, list[ToolCall]]:
+        text, calls = self._finish()
+        return unspell(text), calls
+
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         if self.region is None:
             out, self.pending = self.pending, ""
             return out, []
@@ -257,7 +276,7 @@ class ToolCallStreamer:
         if calls is not None and self.declared is not None:
             calls = None if any(c.name not in self.declared for c in calls) else calls
         if calls is None:  # malformed or undeclared: it was plain text after all
-            return self.dropped + self.region, []
+            return self.dropped + self.parser.as_text(self.region), []
         return "", calls
 
 
