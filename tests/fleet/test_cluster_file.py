@@ -59,6 +59,10 @@ def test_ingress_lanes_hold_every_replica_s_batch():
         ({"pools": {"a": {"tiers": ["default"], "min_replicas": 1}}}, "set both"),
         ({"pools": {"a": {"tiers": ["default"], "engine": {"max_bach": 4}}}}, "max_bach"),
         ({"pools": {"a": {"tiers": ["default"]}}, "extra": {}}, "unknown table(s) ['extra']"),
+        (
+            {"ingress": {"replicas": 2}, "pools": {"a": {"tiers": ["default"]}}},
+            "[ingress] replicas = 2 needs [server] database",
+        ),
     ],
 )
 def test_mistakes_are_named(data, words):
@@ -118,3 +122,20 @@ def test_a_tensor_parallel_pool_is_a_placement_group_per_replica():
     replica = _pool_app(spec, pool)._bound_deployment._replica_config  # Ray Serve's own record
     assert replica.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.5}]
     assert replica.placement_group_strategy == "STRICT_PACK"
+
+
+def test_an_ingress_without_keys_runs_open_only_where_the_file_says_so(tmp_path, monkeypatch):
+    """Checked before deploying (a local Ray cluster: the ingress's accounts file is here)."""
+    from expresslane.fleet.access import open_without_consent
+    from expresslane.server.keys import KeyStore, Plan, connect
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    accounts = str(tmp_path / "accounts.sqlite")
+    closed = parse_cluster({"server": {"accounts_path": accounts}, "pools": POOLS})
+    assert "open = true" in open_without_consent(closed)
+    allowed = {"server": {"accounts_path": accounts}, "ingress": {"open": True}, "pools": POOLS}
+    assert open_without_consent(parse_cluster(allowed)) is None
+    with_key = {"server": {"accounts_path": accounts, "api_key": "op"}, "pools": POOLS}
+    assert open_without_consent(parse_cluster(with_key)) is None
+    KeyStore(connect(accounts)).create("alice", Plan())
+    assert open_without_consent(closed) is None

@@ -74,9 +74,11 @@ def fleet(postgres_url):
     store = KeyStore(connect(database))
     tiers = ["ultrafast", "default", "flex"]
     made = {
-        name: store.create(name, Plan(tiers=tiers, regions=regions, limits=limits))
+        name: store.create(
+            name, Plan(tiers=tiers, regions=regions, limits=limits, operator=name == "any")
+        )
         for name, regions, limits in (
-            ("any", None, {}),
+            ("any", None, {}),  # the operator's: sees replicas and /fleet/status
             ("eu", ["eu"], {}),
             ("us", ["us"], {}),
             ("slow", None, {"default": {"rpm": RPM}}),
@@ -132,6 +134,16 @@ def test_tiers_land_on_their_pools(fleet):
         assert r.headers["x-expresslane-replica"]
         assert r.parse().service_tier == tier
         assert r.parse().usage.completion_tokens > 0
+
+
+def test_tenants_see_neither_replicas_nor_fleet_status(fleet):
+    r = chat(client(fleet, "us"), "default")
+    assert r.headers["x-expresslane-pool"] == "std" and "x-expresslane-replica" not in r.headers
+    url = fleet["url"] + "/fleet/status"
+    assert httpx.get(url, timeout=30).status_code == 401
+    tenant = {"authorization": f"Bearer {fleet['keys']['us']}"}
+    refused = httpx.get(url, headers=tenant, timeout=30)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "operator_key_required"
 
 
 def test_flex_leaves_a_busy_ultrafast_pool_alone(fleet):
@@ -204,8 +216,13 @@ def test_a_client_leaving_before_its_first_token_has_it_aborted_and_billed(fleet
         assert fast.record_routing_stats.remote().result()["waiting"] == 0
 
 
+def operator(fleet) -> dict:
+    return {"authorization": f"Bearer {fleet['keys']['any']}"}
+
+
 def _status(fleet) -> dict:
-    pools = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()["pools"]
+    pools = httpx.get(fleet["url"] + "/fleet/status", headers=operator(fleet), timeout=30)
+    pools = pools.json()["pools"]
     return {p["name"]: p for p in pools}
 
 
@@ -309,7 +326,8 @@ def test_streams_metrics_and_status(fleet):
             break
     assert 'pool="fast"' in metrics and 'pool="std"' in metrics
     out = subprocess.run(
-        [sys.executable, "-m", "expresslane.cli", "cluster", "status", "--url", fleet["url"]],
+        [sys.executable, "-m", "expresslane.cli", "cluster", "status", "--url", fleet["url"]]
+        + ["--api-key", fleet["keys"]["any"]],
         capture_output=True,
         text=True,
         timeout=60,
@@ -317,7 +335,7 @@ def test_streams_metrics_and_status(fleet):
     )
     assert out.returncode == 0, out.stderr
     assert "fast" in out.stdout and "std" in out.stdout and "eu" in out.stdout
-    status = httpx.get(fleet["url"] + "/fleet/status", timeout=30).json()
+    status = httpx.get(fleet["url"] + "/fleet/status", headers=operator(fleet), timeout=30).json()
     loads = {p["name"]: p["load"] for p in status["pools"]}
     assert len(loads["std"]) == 2 and len(loads["fast"]) == 1  # every replica reports
     assert all(set(v) == {"running", "waiting", "kv_used_blocks"} for v in loads["std"].values())

@@ -22,6 +22,17 @@ def test_hashes_cover_full_blocks_and_chain():
     assert prefix_hashes(list(range(8)), BLOCK) == a
 
 
+def test_one_owners_prompt_never_matches_anothers():
+    """Routing keys are seeded with the owner's cache salt, as the engine's cache is: tenant
+    B's prompt finds no replica through tenant A's blocks."""
+    record = PrefixRecord()
+    prompt = list(range(12))
+    record.record(prefix_hashes(prompt, BLOCK, "key:alice"), "A")
+    assert record.owner_depths(prefix_hashes(prompt, BLOCK, "key:bob")) == {}
+    assert record.owner_depths(prefix_hashes(prompt, BLOCK)) == {}  # the unsalted (open) root
+    assert record.owner_depths(prefix_hashes(prompt, BLOCK, "key:alice")) == {"A": 3}
+
+
 def test_the_deepest_block_wins_over_a_shared_first_block():
     record = PrefixRecord()
     system = list(range(8))

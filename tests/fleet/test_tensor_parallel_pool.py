@@ -17,6 +17,7 @@ replicas = 1
 num_cpus = 0.25
 host = "127.0.0.1"
 port = {port}
+open = true
 
 [pools.std]
 tiers = ["default", "flex"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import threading
 
@@ -27,6 +28,12 @@ def add_cluster_command(sub) -> None:
         "--url",
         default=None,
         help="status: the ingress URL (default: http://127.0.0.1:8000)",
+    )
+    c.add_argument(
+        "--api-key",
+        default=None,
+        help="status: an operator key (the ingress's api_key, or a key with an operator plan; "
+        "default: $EXPRESSLANE_API_KEY)",
     )
     c.add_argument(
         "--num-cpus",
@@ -80,10 +87,15 @@ def _status(args: argparse.Namespace) -> int:
     from expresslane.fleet.status import render
 
     url = (args.url or "http://127.0.0.1:8000").rstrip("/")
+    key = args.api_key or os.environ.get("EXPRESSLANE_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(url + "/fleet/status", timeout=30)
-        r.raise_for_status()
+        r = httpx.get(url + "/fleet/status", headers=headers, timeout=30)
     except httpx.HTTPError as e:
         return fail(PROG, f"no fleet ingress answers at {url}: {e}")
+    if r.status_code in (401, 403):
+        return fail(PROG, f"{url} refused: {r.json()['error']['message']} (--api-key)")
+    if r.status_code != 200:
+        return fail(PROG, f"{url}/fleet/status answered {r.status_code}: {r.text[:200]}")
     print(json.dumps(r.json(), indent=2) if args.json else render(r.json()))
     return 0

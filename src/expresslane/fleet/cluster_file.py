@@ -6,8 +6,9 @@
     replicas = 1
     port = 8000
     http = "direct"                # or "serve-proxy": Ray Serve's HTTP proxy in front
+    open = false                   # true: may run without API keys (fleet/access.py)
     [server]                       # ServerSettings, as in `expresslane serve --config`
-    database = "postgresql://..."  # shared by every ingress replica
+    database = "postgresql://..."  # shared by every ingress replica (needed for several)
     [pools.fast]
     tiers = ["ultrafast"]
     replicas = 1                   # or min_replicas / max_replicas (Ray Serve autoscaling)
@@ -112,6 +113,8 @@ class IngressSpec:
     # spreads connections over a node's ingress replicas); "serve-proxy": Ray Serve's HTTP proxy
     # listens there and forwards each request, and each streamed chunk, to an ingress replica
     http: str = "direct"
+    # true: the ingress may serve without any API key (every tier to anyone who reaches it)
+    open: bool = False
 
 
 HTTP_MODES = ("direct", "serve-proxy")
@@ -222,7 +225,17 @@ def parse_cluster(data: dict, where: str = "cluster file") -> ClusterSpec:
         raise ClusterFileError(f"{where}: no pool serves the default tier")
     if spec.ingress.http not in HTTP_MODES:
         raise ClusterFileError(f"[ingress] http must be one of {list(HTTP_MODES)}")
+    _check_shared_state(spec)
     return spec
+
+
+def _check_shared_state(spec: ClusterSpec) -> None:
+    if spec.ingress.replicas > 1 and not spec.server.get("database"):
+        raise ClusterFileError(
+            f"[ingress] replicas = {spec.ingress.replicas} needs [server] database = "
+            '"postgresql://...": without it each ingress replica opens an accounts file of '
+            "its own node (its own keys, ledger and limits)"
+        )
 
 
 def load_cluster(path: str) -> ClusterSpec:

@@ -23,6 +23,7 @@ import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from expresslane.fleet.access import open_without_consent
 from expresslane.fleet.capacity import shortfall
 from expresslane.fleet.cluster_file import ClusterSpec, PoolSpec
 from expresslane.fleet.ingress import DRAIN_SECONDS, Ingress
@@ -170,6 +171,9 @@ def launch(
     spec: ClusterSpec, num_cpus: float | None, timeout_s: float, say: Callable[[str], None]
 ) -> str:
     """`deploy`, checked and watched: raises DeployError."""
+    refused = open_without_consent(spec)
+    if refused:
+        raise DeployError(refused)
     connect(num_cpus)
     problem = shortfall(spec, [n["Resources"] for n in ray.nodes() if n["Alive"]])
     if problem:

@@ -18,9 +18,11 @@ import ray
 import uvicorn
 from ray import serve
 
+from expresslane.fleet.access import refuse_open_mode
 from expresslane.fleet.cluster_file import ClusterSpec
 from expresslane.fleet.remote_engine import FleetEngine, current_routes
 from expresslane.fleet.replica import replica_id
+from expresslane.server.keys import OPEN_ACCESS_ID
 from expresslane.server.sse import SERVER_SEND
 
 ROUTE_WAIT_SECONDS = 60.0  # how long response headers wait for a replica to take the request
@@ -31,11 +33,20 @@ class RouteHeaders:
     """ASGI middleware: `x-expresslane-ingress` on every HTTP response, and
     `x-expresslane-pool` and `x-expresslane-replica` on those that ran on the fleet. The
     headers leave when the first replica has taken the request (a stream's first event may be
-    ready before that)."""
+    ready before that). The replica goes only to operator keys (or to every key with
+    `[server] replica_headers = true`): which replica holds whose prefixes is other tenants'
+    business."""
 
-    def __init__(self, app, ingress: str):
+    def __init__(self, app, ingress: str, replica_for_all: bool = False):
         self.app = app
         self.ingress = (b"x-expresslane-ingress", ingress.encode())
+        self.replica_for_all = replica_for_all
+
+    def _shows_replica(self, scope) -> bool:
+        key = scope.get("state", {}).get("api_key")
+        if self.replica_for_all:
+            return True
+        return key is not None and (key.operator or key.id == OPEN_ACCESS_ID)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -51,10 +62,10 @@ class RouteHeaders:
                     pending = [r.known.wait() for r in routes if not r.known.is_set()]
                     if pending:
                         await asyncio.wait_for(asyncio.gather(*pending), ROUTE_WAIT_SECONDS)
-                    for name, values in (
-                        ("x-expresslane-pool", [r.pool for r in routes]),
-                        ("x-expresslane-replica", [r.replica or "" for r in routes]),
-                    ):
+                    named = [("x-expresslane-pool", [r.pool for r in routes])]
+                    if self._shows_replica(scope):
+                        named.append(("x-expresslane-replica", [r.replica or "" for r in routes]))
+                    for name, values in named:
                         value = ",".join(dict.fromkeys(v for v in values if v))
                         headers.append((name.encode(), value.encode()))
                 message = {**message, "headers": headers}
@@ -73,7 +84,7 @@ class Ingress:
     which Serve runs); with "serve-proxy", Serve's HTTP proxy forwards to it."""
 
     async def __init__(self, spec: ClusterSpec, model_dir: str, **pools):
-        from expresslane.fleet.status import fleet_status
+        from expresslane.fleet.status import StatusRoute
         from expresslane.server.app import create_app
         from expresslane.server.settings import ServerSettings
 
@@ -88,9 +99,11 @@ class Ingress:
         pools = {name: handle.options(_by_reference=False) for name, handle in pools.items()}
         self.engine = FleetEngine(spec, pools, model_dir, host=ray.util.get_node_ip_address())
         await self.engine.start()
-        app = create_app(self.engine, ServerSettings(**spec.server))
-        app.add_api_route("/fleet/status", lambda: fleet_status(self.engine), methods=["GET"])
-        self.served = RouteHeaders(app, replica_id())
+        settings = ServerSettings(**spec.server)
+        app = create_app(self.engine, settings)
+        refuse_open_mode(spec, app.state.server.accounts)
+        app.add_api_route("/fleet/status", StatusRoute(self.engine).get, methods=["GET"])
+        self.served = RouteHeaders(app, replica_id(), settings.replica_headers)
         self.direct: DirectHTTP | None = None
         if spec.ingress.http == "direct":
             app.router.lifespan_context = self._serving_directly(app.router.lifespan_context)

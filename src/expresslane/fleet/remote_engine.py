@@ -325,7 +325,7 @@ class FleetEngine:
             "request_id": req.request_id,
             "lane": req.lane,
             "cache_salt": req.cache_salt,
-            "prefix_hashes": prefix_hashes(prompt, self.block_size),
+            "prefix_hashes": prefix_hashes(prompt, self.block_size, req.cache_salt),
         }
         stream = FleetStream(self, req, pools, call)
         routes = current_routes.get()

@@ -1,7 +1,10 @@
 """`PrefixAffinityRouter`: Ray Serve's request router for a pool, by cached prefix and load.
 
 Each call carries `prefix_hashes`, the chained hashes of its prompt's full KV blocks
-(`prefix_hashes` below, the same blocks the engine's prefix cache keys on). The routers
+(`prefix_hashes` below, the same blocks the engine's prefix cache keys on), seeded with the
+request's cache salt (its owner's, `server/admission.py` `prefix_salt`): as in the engine's
+cache, one tenant's prompt never matches another's, so where a request is routed says
+nothing about other tenants' prompts. The routers
 of all ingress replicas share one record per pool (`PrefixRecord`, in the fleet's records
 actor: records.py) of the replica each block was last sent to; a fleet of one ingress replica
 keeps it in the router's own process. A request goes to the replica holding the longest run of
@@ -25,9 +28,11 @@ from expresslane.fleet.records import LocalPrefixes, SharedPrefixes
 MAX_PENDING = 4096  # lookups remembered until their requests are routed
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[str]:
-    """Chained hashes of the full blocks of `token_ids` (a block's hash covers all before it)."""
-    out, digest = [], b""
+def prefix_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list[str]:
+    """Chained hashes of the full blocks of `token_ids` (a block's hash covers all before it,
+    and the salt)."""
+    out = []
+    digest = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
         h = hashlib.blake2b(digest, digest_size=16)

@@ -56,6 +56,7 @@ class ServerSettings:
     # with API keys configured (a key is needed anyway), only the server's own in open mode.
     websocket_allowed_origins: list[str] | None = None
     metrics_per_key: bool = False  # /metrics by API key for any scraper (else: operator keys)
+    replica_headers: bool = False  # a fleet's x-expresslane-replica for any key (else: operators)
     max_body_bytes: int = 16 * 2**20  # request bodies larger than this get 413
     max_input_items: int = 4096  # messages, input items or prompts in one request
     max_tools: int = 128  # tools declared in one request
