@@ -66,6 +66,8 @@ def test_step_model_recovers_known_costs_without_negative_coefficients():
 
 
 def test_lane_settings_are_validated(llama_dir):
+    with pytest.raises(InvalidRequestError, match="key_share"):
+        build_lanes({"ultrafast": {"key_share": 0}})
     with pytest.raises(InvalidRequestError, match="unknown lane"):
         build_lanes({"turbo": {}})
     with pytest.raises(InvalidRequestError, match="unknown setting"):
@@ -100,6 +102,42 @@ def test_ultrafast_runs_first_and_each_lane_keeps_its_batch_limit(llama_dir, sol
         engine.step()
         assert sum(r.lane == "ultrafast" for r in engine.scheduler.running) <= 1
     assert [r.output_token_ids for r in reqs] == [solo(p, 8) for p in prompts]
+
+
+def test_a_tenant_holds_at_most_its_share_of_a_lane(llama_dir, solo):
+    lanes = {"ultrafast": {"max_batch": 4, "target_tokens_per_s": None, "speculative": False}}
+    engine = _engine(llama_dir, num_kv_blocks=256, lanes=lanes)
+    prompts = random_prompts(7, 8, 12, seed=5)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    tenants = ["a", "a", "a", "a", "b", None, None]  # None: no tenant, no share
+    reqs = [
+        engine.add_request(p, params, lane="ultrafast", tenant=t) for p, t in zip(prompts, tenants)
+    ]
+    engine.step()
+    # "a" holds half of the 4 slots however many it sent; "b" and an untenanted request
+    # take the others, the rest wait
+    assert sorted(map(str, (r.tenant for r in engine.scheduler.running))) == [
+        "None",
+        "a",
+        "a",
+        "b",
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        running = [r.tenant for r in engine.scheduler.running]
+        assert running.count("a") <= 2
+    assert [r.output_token_ids for r in reqs] == [solo(p, 6) for p in prompts]
+
+
+def test_the_engine_queue_is_bounded(llama_dir):
+    engine = _engine(llama_dir, num_kv_blocks=64, max_waiting=2)
+    params = SamplingParams(max_tokens=2)
+    engine.add_request([5, 6], params)
+    engine.add_request([5, 7], params)
+    with pytest.raises(InvalidRequestError, match="queue is full"):
+        engine.add_request([5, 8], params)
+    _run(engine, [])
+    engine.add_request([5, 8], params)  # room again once they ran
 
 
 def test_cap_holds_lower_lanes_to_the_step_budget_and_they_take_turns(llama_dir, solo):

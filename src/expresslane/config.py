@@ -38,6 +38,7 @@ class EngineConfig:
     quantization: str | None = None  # "nvfp4" / "mxfp4": quantize linear weights at load
     kv_cache_dtype: str = "auto"  # the model's dtype; float32, bfloat16, fp8, fp4 (kv_store.py)
     max_queue_seconds: float | None = None  # not started by then: fails (serve: 60 s)
+    max_waiting: int | None = None  # requests that may wait; one more fails (serve: 4096)
     tensor_parallel_size: int = 1  # processes the model's layers are split over (engine/parallel)
 
     @classmethod

@@ -60,6 +60,9 @@ class Lane:
     enabled: bool = True
     # The speed its requests are sold (promise.py): checked at admission, per request, billed.
     promise: Promise | None = None
+    # The most of this lane one API key may hold, when a server has keys: this fraction of its
+    # queue at admission, and of its running slots (engine/tenant_shares.py).
+    key_share: float = 1.0
 
 
 DEFAULT_LANES = {
@@ -71,6 +74,7 @@ DEFAULT_LANES = {
         target_tokens_per_s="auto",
         speculative={"method": "suffix", "num_tokens": 12},
         promise=Promise(),
+        key_share=0.5,
     ),
     "default": Lane("default", 1, max_batch=64, price_multiplier=1.0),
     "flex": Lane("flex", 2, max_batch=64, price_multiplier=0.5, preemptible=True),
@@ -103,6 +107,8 @@ def build_lanes(overrides: dict | None) -> dict[str, Lane]:
             raise InvalidRequestError(f"lane {lane.name!r}: max_batch must be at least 1")
         if not (isinstance(lane.solo_fraction, (int, float)) and 0 < lane.solo_fraction <= 1):
             raise InvalidRequestError(f"lane {lane.name!r}: solo_fraction must be in (0, 1]")
+        if not (isinstance(lane.key_share, (int, float)) and 0 < lane.key_share <= 1):
+            raise InvalidRequestError(f"lane {lane.name!r}: key_share must be in (0, 1]")
         if (
             target is not None
             and target != "auto"
@@ -159,6 +165,7 @@ class Placement:
     asked: str
     lane: str | None = None
     refusal: str | None = None
+    queued: bool = False  # placed by the `queue` policy on a lane without room
 
 
 def place(
@@ -176,8 +183,9 @@ def place(
             return Placement(asked, refusal="not_allowed")
         return Placement(asked, who.default_tier)
     lane = lanes[asked]
-    if who.when_unavailable == "queue" or room(asked):
-        return Placement(asked, asked)
+    has_room = room(asked)
+    if who.when_unavailable == "queue" or has_room:
+        return Placement(asked, asked, queued=not has_room)
     lower = [
         la for la in lanes.values() if la.rank > lane.rank and la.enabled and la.name in who.tiers
     ]

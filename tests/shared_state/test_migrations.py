@@ -146,7 +146,7 @@ def test_an_old_accounts_file_opens_with_its_keys_and_ledger(tmp_path):
     assert (old_row["promise_kept"], old_row["refund"]) == (None, 0)  # columns added later
     db.close()
     got = versions(path)
-    assert [v for v, _ in got["keys"]] == [1] and [v for v, _ in got["ledger"]] == [1, 2, 3]
+    assert [v for v, _ in got["keys"]] == [1] and [v for v, _ in got["ledger"]] == [1, 2, 3, 4]
 
 
 def test_an_old_store_file_gains_its_origin_columns_and_a_version(tmp_path):

@@ -54,21 +54,22 @@ def test_keys_create_lookup_list_revoke(database):
 
 def test_ledger_record_record_once_and_usage(database):
     ledger = Ledger(connect(database))
-    ledger.record(row("r1"))
-    ledger.record(row("r1"))  # a request with two choices: two rows, one request
-    ledger.record(row("r2", status="abort", ttft_s=None, decode_s=None, cost=0.0))
+    assert ledger.record_once(row("r1"))
+    assert ledger.record_once(row("r1-1"))  # a request's second choice: its own id
+    assert ledger.record_once(row("r2", status="abort", ttft_s=None, decode_s=None, cost=0.0))
     assert ledger.record_once(row("r3", status="interrupted", queue_s=None, ttft_s=None))
     assert not ledger.record_once(row("r3", status="interrupted"))
     assert not ledger.record_once(row("r1", status="interrupted"))  # already billed
+    assert not ledger.record_once(row("r1", status="stop"))  # whatever the order
     judged = {"promised_tokens_per_s": 50.0, "promised_ttft_s": 0.5, "promise_kept": 0}
-    missed = row("r4", key_id="key_b", output_tokens=7, refund=1.25, **judged)
-    ledger.record(missed)
+    missed = row("r4", key_id="key_b", output_tokens=7, refund=1.25, missed="speed", **judged)
+    assert ledger.record_once(missed)
     other = Ledger(connect(database))
     (a, b) = other.usage()
     assert a == {
         "key_id": "key_a",
         "tier": "default",
-        "requests": 3,
+        "requests": 4,
         "cancelled": 1,
         "interrupted": 1,
         "input_tokens": 40,
@@ -90,7 +91,8 @@ def test_ledger_record_record_once_and_usage(database):
     assert other.tokens_since("key_a", 0) == 60 and other.tokens_since("nobody", 0) == 0
     rows = other.rows("r3")
     assert len(rows) == 1 and rows[0]["status"] == "interrupted" and rows[0]["queue_s"] is None
-    assert [r["request_id"] for r in other.rows()] == ["r1", "r1", "r2", "r3", "r4"]
+    assert [r["request_id"] for r in other.rows()] == ["r1", "r1-1", "r2", "r3", "r4"]
+    assert other.rows("r4")[0]["missed"] == "speed"
 
 
 def response(rid: str, status: str = "completed", text: str = "hi") -> dict:

@@ -16,6 +16,8 @@ PROG = "expresslane serve"
 # a served request not started within this many seconds answers 429 queue_timeout (the
 # offline LLM waits as long as it takes)
 SERVE_MAX_QUEUE_SECONDS = 60.0
+# requests the served engine lets wait, whatever the server's own queue bounds admit
+SERVE_MAX_WAITING = 4096
 UVICORN_GRACE_S = 2.0
 
 
@@ -61,6 +63,7 @@ def engine_config(args, engine_options: dict):
     model = args.model or options.pop("model", None)
     options.pop("model", None)
     options.setdefault("max_queue_seconds", SERVE_MAX_QUEUE_SECONDS)
+    options.setdefault("max_waiting", SERVE_MAX_WAITING)
     config = EngineConfig.from_options(model, options)
     build_lanes(config.lanes)
     if model and not args.model and model_dir_problem(model):

@@ -16,7 +16,7 @@ import gc
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from expresslane.engine.calibration import Calibration
@@ -58,6 +58,10 @@ class RequestStream:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             self._outputs.put(out)
+
+    def watch(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call `callback` with each output as the engine hands it over (before it is read)."""
+        self._outputs.watch = callback
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:

@@ -154,6 +154,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
         if req.lane not in self.lanes:
             raise InvalidRequestError(f"request {req.request_id!r}: unknown lane {req.lane!r}")
+        most = self.config.max_waiting
+        if most is not None and len(self.scheduler.waiting) >= most:
+            raise InvalidRequestError(f"the engine's queue is full ({most} requests waiting)")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 

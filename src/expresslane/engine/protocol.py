@@ -4,7 +4,7 @@ process); `fleet.remote_engine.FleetEngine` is another (replicas on a Ray cluste
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from expresslane.engine.output import RequestOutput
@@ -32,6 +32,9 @@ class PreparedRequest(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated so far, where this process runs it (0 where another does)."""
 
 
 class OutputStream(Protocol):
@@ -40,6 +43,8 @@ class OutputStream(Protocol):
     request_id: str
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+    def watch(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call `callback` with each output as it arrives, before (and whether) it is read."""
 
 
 class ServingEngine(Protocol):

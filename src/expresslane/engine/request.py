@@ -82,6 +82,7 @@ class Request:
         prompt: str | None = None,
         max_tokens: int,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -104,6 +105,7 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.window_start = 0  # its first block whose window-layer KV it still holds
         self.cache_salt = cache_salt  # the chain's root: only equal salts share cached blocks
+        self.tenant = tenant  # whose it is: a lane's share per tenant (engine/scheduler.py)
         self.spec = SpecState()  # its speculative guesses and their record (speculation/state.py)
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.generator: torch.Generator | None = None

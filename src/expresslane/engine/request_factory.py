@@ -99,6 +99,7 @@ class RequestFactory:
             prompt=text,
             max_tokens=params.max_tokens or self.max_model_len - len(ids),
             cache_salt=cache_salt,
+            tenant=sub.tenant,
         )
         if self.tokenizer is not None:
             req.detok = TextState(self.tokenizer, req)

@@ -15,6 +15,9 @@ tokens/s per request). Under an absolute target the lower lanes always get at le
 `LOWER_LANE_SHARE` of the step time the targeted lanes take themselves. Either way a busy
 ultrafast lane slows the others but never stops them.
 
+Within a lane, one tenant (API key) holds at most its `key_share` of the lane's running slots
+(engine/tenant_shares.py).
+
 When blocks run out, the lowest-ranked, most recent running request is preempted: its blocks are
 released and it is recomputed later, prompt and output so far (its cached prefix blocks often
 survive and make that cheap). A preemptible lane (flex) also gives way to a better-ranked
@@ -34,6 +37,7 @@ from expresslane.engine.lane_room import LaneRoom
 from expresslane.engine.request import Request, Status
 from expresslane.engine.step_credit import StepCredit
 from expresslane.engine.step_model import StepLatencyModel
+from expresslane.engine.tenant_shares import TenantShares
 from expresslane.lanes import Lane, build_lanes
 
 # The predicted step time is held at this fraction of the target's: on a busy machine the
@@ -266,9 +270,13 @@ class Scheduler:
         admission stopped for lack of budget, sequence slots, blocks or step time (so later
         lanes must wait too)."""
         promised = lane in self.room.stated
-        for req in [r for r in self.waiting if r.lane == lane]:
+        waiting = [r for r in self.waiting if r.lane == lane]
+        shares = TenantShares(self.lanes[lane], self.running)
+        for req in waiting:
             if lane_running >= self.lanes[lane].max_batch:
                 return False  # this lane is full; the next one may still have room
+            if shares.held_back(req):
+                continue
             if promised and not self._keeps_promise(req):
                 return False  # it waits until the lane's promise has room for it
             budget = self.max_num_batched_tokens - batch.num_tokens
@@ -289,6 +297,7 @@ class Scheduler:
             req.status = Status.RUNNING
             req.turn = next(self._turns)
             self.running.append(req)
+            shares.started(req)
             lane_running += 1
             batch.add(req, n)
         return False

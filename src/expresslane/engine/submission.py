@@ -16,7 +16,8 @@ class Submission:
     """A request before validation. `prompt` is text (tokenized with `add_special_tokens`)
     or token ids; `lane` the engine lane that serves it (the API's service tier, resolved by
     `lanes.lane_for`); requests share cached prompt prefixes only with requests of the same
-    `cache_salt` (None: with every request without one; the server folds the owner in)."""
+    `cache_salt` (None: with every request without one; the server folds the owner in);
+    `tenant` names whose it is (an API key's id), for the lane shares of the scheduler."""
 
     prompt: str | list[int]
     params: SamplingParams
@@ -24,3 +25,4 @@ class Submission:
     lane: str = "default"
     add_special_tokens: bool = True
     cache_salt: str | None = None
+    tenant: str | None = None

@@ -17,6 +17,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from expresslane.engine.output import RequestOutput
@@ -102,6 +103,10 @@ class FleetStream:
         self._outputs.put(out)
         if out.finished:
             self._attempt_over.set()
+
+    def watch(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call `callback` with each output as it arrives (before it is read)."""
+        self._outputs.watch = callback
 
     def link_lost(self, replica: str) -> None:
         self._lost = True
@@ -325,6 +330,7 @@ class FleetEngine:
             "request_id": req.request_id,
             "lane": req.lane,
             "cache_salt": req.cache_salt,
+            "tenant": req.tenant,
             "prefix_hashes": prefix_hashes(prompt, self.block_size, req.cache_salt),
         }
         stream = FleetStream(self, req, pools, call)

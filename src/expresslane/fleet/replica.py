@@ -91,6 +91,7 @@ class EngineReplica:
                     call["request_id"],
                     call["lane"],
                     cache_salt=call["cache_salt"],
+                    tenant=call.get("tenant"),
                 )
             )
         except ExpresslaneError as e:

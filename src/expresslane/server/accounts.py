@@ -3,10 +3,14 @@ and the ledger row written when a request ends.
 
 The order for one request: the key (401) -> the tier it asks for, `auto` meaning the key's
 default -> entitlement (403, or downgrade) -> lane full (queue, downgrade or 429, per key) ->
-queue bounds (429 `queue_full` when the lane's queue is full, `too_many_requests_in_flight`
-past the key's in-flight limit) -> monthly quota (429 `insufficient_quota`) -> requests/min and
-tokens/min of the served tier (429 with Retry-After). Every 429 carries `x-ratelimit-*` headers.
-The outcome is a `Ticket` that travels with the request.
+queue bounds (`in_flight.py`: 429 `queue_full` when the lane's queue is full,
+`lane_share_exceeded` past the key's share of the lane, `too_many_requests_in_flight` past the
+key's in-flight limit; 400 `too_many_generations` for a request larger than any of them) ->
+monthly quota (429 `insufficient_quota`) -> requests/min of the served tier (429 with
+Retry-After) -> [the endpoint tokenizes] -> tokens/min (429). Every 429 carries
+`x-ratelimit-*` headers. Bounds and limits count generations (`n` choices times prompts), and
+they are reserved at admission, so concurrent requests cannot all pass one check. The outcome
+is a `Ticket` that travels with the request.
 
 `path` names the accounts database: a SQLite file (rate limits then count in this process), or
 a PostgreSQL URL that several servers share: keys, ledger and the rate-limit buckets
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +29,7 @@ from expresslane.lanes import LANE_NAMES, Lane, lane_for, place, queue_capacity,
 from expresslane.promise import Stated, Verdict
 from expresslane.server.database import connect
 from expresslane.server.errors import APIError
+from expresslane.server.in_flight import InFlight
 from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
@@ -32,6 +38,7 @@ from expresslane.server.shared_limits import SharedRateLimiter
 log = logging.getLogger("expresslane.server")
 # The key given with `serve --api-key` (as vLLM takes it): every tier, no limits.
 SERVER_KEY = ApiKey("api-key", "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
+ONE_TENANT = {SERVER_KEY.id, OPEN_ACCESS.id}  # keys with no lane shares: no one to share with
 
 
 @dataclass
@@ -43,11 +50,22 @@ class Ticket:
     # what the request's generations used (summed over its choices), for its log line
     usage: dict[str, float] = field(default_factory=dict)
     promise: Stated | None = None  # the serving lane's promise, each generation judged by it
+    # why a missed first token is not refunded: it waited behind its own key's work
+    # ("own_backlog"), or was queued by the key's policy on a lane without room
+    # ("queued_without_room"); None: refunded
+    no_refund: str | None = None
+    held: int = 0  # generations reserved in `Accounts.in_flight` and not yet ended
 
     @property
     def owner(self) -> str:
         """Who owns what this request stores (see `ApiKey.owner`)."""
         return self.key.owner
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose share of a lane it takes: its key's id, None on a one-tenant server (open
+        mode, or the one `--api-key`)."""
+        return None if self.key.id in ONE_TENANT else self.key.id
 
     @property
     def regions(self) -> list[str] | None:
@@ -66,13 +84,20 @@ class Ticket:
 @dataclass
 class QueueLimits:
     """How much work may wait: per lane beyond its max batch (None: as many again as its max
-    batch) and per key (running or waiting, all tiers; None: unbounded)."""
+    batch) and per key (running or waiting, all tiers; None: unbounded). Within a lane one key
+    may hold its `key_share` of the lane's queue."""
 
     per_lane: int | None = None
     per_key: int | None = 256
 
     def lane_capacity(self, lane: Lane) -> int:
         return queue_capacity(lane, self.per_lane)
+
+    def key_capacity(self, lane: Lane, shared: bool = True) -> int:
+        """Generations of one key a lane may hold, running or waiting (`shared`: with other
+        keys; else all of it)."""
+        share = lane.key_share if shared else 1.0
+        return max(1, math.ceil(share * self.lane_capacity(lane)))
 
 
 class Accounts:
@@ -92,7 +117,7 @@ class Accounts:
         self.prices = prices
         self.lanes = lanes
         self.queue_limits = queue_limits or QueueLimits()
-        self.in_flight: dict[str, int] = {}  # key id -> requests charged and not finished
+        self.in_flight = InFlight()  # generations admitted and not ended, per key and lane
         if not api_key and not self.keys.has_keys():
             log.warning(
                 "no API keys configured: open local mode, every tier open to anyone who can "
@@ -125,10 +150,14 @@ class Accounts:
             401, f"Incorrect or revoked API key provided: {secret[:6]}…", code="invalid_api_key"
         )
 
-    def admit(self, key: ApiKey, service_tier: str | None, lane_load, room) -> Ticket:
-        """Decide the lane that serves a request (the policy is `lanes.place`); raises
-        400/403/429 APIErrors. `lane_load(lane)` counts the requests of that lane in flight,
-        `room(lane)` says whether it can take one more now (`ServingEngine.lane_room`)."""
+    def admit(
+        self, key: ApiKey, service_tier: str | None, lane_load, room, generations: int = 1
+    ) -> Ticket:
+        """Decide the lane that serves a request of `generations` engine requests (the
+        policy is `lanes.place`) and reserve them; raises 400/403/429 APIErrors.
+        `lane_load(lane)` counts the requests of that lane in the engine, `room(lane)` says
+        whether it can take one more now (`ServingEngine.lane_room`). The caller must
+        `release` the ticket if its request fails before all its generations start."""
         plan = key.plan
         placed = place(self.lanes, lane_for(service_tier, plan.default_tier), plan, room)
         asked = placed.asked
@@ -160,19 +189,49 @@ class Accounts:
                 "tier_at_capacity",
             )
         lane = placed.lane
-        self._check_queues(key, lane, lane_load)
-        if plan.monthly_tokens is not None:
-            used = self.ledger.tokens_since(key.id, month_start())
-            if used >= plan.monthly_tokens:
-                raise APIError(
-                    429,
-                    f"You exceeded your monthly quota of {plan.monthly_tokens} tokens "
-                    f"({used} used this month); it renews on the 1st (UTC).",
-                    code="insufficient_quota",
-                    type="insufficient_quota",
-                    headers={"x-should-retry": "false", **self._quota_headers(key, lane)},
-                )
-        return Ticket(key, asked, lane)
+        self._check_queues(key, lane, generations)
+        self._check_quota(key, lane)
+        limits = plan.limits_for(lane)
+        d = self.limiter.take(key.id, lane, limits.rpm, limits.tpm, 0, requests=generations)
+        if not d.allowed:
+            raise self._limited(lane, limits, d, generations, 0)
+        ticket = Ticket(key, asked, lane, headers=d.headers, held=generations)
+        ticket.no_refund = self._no_refund(key, self.lanes[lane], generations, placed.queued)
+        self.in_flight.add(key.id, lane, generations)
+        return ticket
+
+    def _no_refund(self, key: ApiKey, lane: Lane, generations: int, queued: bool) -> str | None:
+        """Why a first token this request waits for is on its own account: with it, its key
+        holds more than the running slots it may have in the lane (`Lane.key_share`), or its
+        policy queued it where the lane had no room."""
+        share = 1.0 if key.id in ONE_TENANT else lane.key_share
+        slots = max(1, math.ceil(share * lane.max_batch))
+        if self.in_flight.key_lane(key.id, lane.name) + generations > slots:
+            return "own_backlog"
+        return "queued_without_room" if queued else None
+
+    def _check_quota(self, key: ApiKey, lane: str) -> None:
+        monthly = key.plan.monthly_tokens
+        if monthly is None:
+            return
+        used = self.ledger.tokens_since(key.id, month_start())
+        if used >= monthly:
+            raise APIError(
+                429,
+                f"You exceeded your monthly quota of {monthly} tokens "
+                f"({used} used this month); it renews on the 1st (UTC).",
+                code="insufficient_quota",
+                type="insufficient_quota",
+                headers={"x-should-retry": "false", **self._quota_headers(key, lane)},
+            )
+
+    def release(self, ticket: Ticket, keep: int = 0) -> None:
+        """Give back the generations a ticket reserved and has not ended, but `keep` (those
+        that started: each gives its own back when it ends)."""
+        extra = ticket.held - keep
+        if extra > 0:
+            self.in_flight.remove(ticket.key.id, ticket.lane, extra)
+            ticket.held = keep
 
     def _quota_headers(self, key: ApiKey, tier: str) -> dict[str, str]:
         limits = key.plan.limits_for(tier)
@@ -186,31 +245,55 @@ class Accounts:
     def saturated(self, lane_load) -> bool:
         """Whether every enabled lane's queue is full (no request could be admitted)."""
         capacity = self.queue_limits.lane_capacity
-        return all(lane_load(name) >= capacity(self.lanes[name]) for name in served(self.lanes))
+        return all(
+            max(lane_load(name), self.in_flight.lane(name)) >= capacity(self.lanes[name])
+            for name in served(self.lanes)
+        )
 
-    def _check_queues(self, key: ApiKey, tier: str, lane_load) -> None:
-        """429 instead of an unbounded wait: the lane's queue is full, or the key has as
-        many requests in flight as it may."""
-        capacity = self.queue_limits.lane_capacity(self.lanes[tier])
-        if lane_load(tier) >= capacity:
-            raise self._busy(
-                key,
-                tier,
-                capacity,
-                f"The '{tier}' tier has {capacity} requests running or waiting, as many as "
-                "this server queues; retry after the Retry-After delay.",
+    def _check_queues(self, key: ApiKey, tier: str, generations: int) -> None:
+        """429 instead of an unbounded wait: the lane's queue is full, the key holds its share
+        of the lane, or it has as many generations in flight as it may; a 400 for a request
+        larger than the bound itself."""
+        lane = self.lanes[tier]
+        bounds = [
+            (
+                self.queue_limits.lane_capacity(lane),
+                self.in_flight.lane(tier),
                 "queue_full",
+                f"The '{tier}' tier has {{used}} requests running or waiting, and queues at "
+                "most {bound}; retry after the Retry-After delay.",
+            ),
+            (
+                self.queue_limits.key_capacity(lane, key.id not in ONE_TENANT),
+                self.in_flight.key_lane(key.id, tier),
+                "lane_share_exceeded",
+                f"This API key has {{used}} requests running or waiting in the '{tier}' tier, "
+                "and one key may hold at most {bound} there (its share of the tier); wait "
+                "for some to finish.",
+            ),
+        ]
+        if self.queue_limits.per_key is not None:
+            bounds.append(
+                (
+                    self.queue_limits.per_key,
+                    self.in_flight.key(key.id),
+                    "too_many_requests_in_flight",
+                    "This API key has {used} requests in flight, and may have at most "
+                    "{bound}; wait for some to finish.",
+                )
             )
-        per_key = self.queue_limits.per_key
-        if per_key is not None and self.in_flight.get(key.id, 0) >= per_key:
-            raise self._busy(
-                key,
-                tier,
-                per_key,
-                f"This API key has {per_key} requests in flight, as many as it may; wait for "
-                "some to finish.",
-                "too_many_requests_in_flight",
-            )
+        for bound, used, code, message in bounds:
+            if generations > bound:
+                raise APIError(
+                    400,
+                    f"This request asks for {generations} generations (n times the prompts), "
+                    f"more than the {bound} that its bound ({code}) allows at once in the "
+                    f"'{tier}' tier; send fewer prompts or choices per request.",
+                    param="n",
+                    code="too_many_generations",
+                )
+            if used + generations > bound:
+                raise self._busy(key, tier, bound, message.format(used=used, bound=bound), code)
 
     def _busy(self, key: ApiKey, tier: str, capacity: int, message: str, code: str) -> APIError:
         """A 429 for a full queue: Retry-After, and the key's rate-limit headers as they
@@ -224,24 +307,26 @@ class Accounts:
         headers |= {"retry-after": "1", "retry-after-ms": "1000"}
         return APIError(429, message, code=code, headers=headers)
 
-    def charge(self, ticket: Ticket, tokens: int, requests: int = 1) -> None:
-        """Take one request and `tokens` (an estimate) from the served tier's limits; the
-        key then has `requests` more in flight until `finish` is called for each."""
+    def charge(self, ticket: Ticket, tokens: int) -> None:
+        """Take `tokens` (an estimate: prompts plus their output limits) from the served
+        tier's tokens/min (the requests were taken at admission)."""
         limits = ticket.key.plan.limits_for(ticket.lane)
-        d = self.limiter.take(ticket.key.id, ticket.lane, limits.rpm, limits.tpm, tokens)
+        d = self.limiter.take(ticket.key.id, ticket.lane, limits.rpm, limits.tpm, tokens, 0)
         ticket.headers = d.headers
         if not d.allowed:
-            per = {"requests": limits.rpm, "tokens": limits.tpm}[d.limit]
-            raise APIError(
-                429,
-                f"Rate limit reached for the '{ticket.lane}' tier on {d.limit} per minute: "
-                f"limit {per}, requested {1 if d.limit == 'requests' else tokens}. Please try "
-                f"again in {d.retry_after * 1000:.0f}ms.",
-                code="rate_limit_exceeded",
-                type=d.limit,
-                headers=d.headers,
-            )
-        self.in_flight[ticket.key.id] = self.in_flight.get(ticket.key.id, 0) + requests
+            raise self._limited(ticket.lane, limits, d, 0, tokens)
+
+    def _limited(self, tier: str, limits, d, requests: int, tokens: int) -> APIError:
+        per = {"requests": limits.rpm, "tokens": limits.tpm}[d.limit]
+        return APIError(
+            429,
+            f"Rate limit reached for the '{tier}' tier on {d.limit} per minute: "
+            f"limit {per}, requested {requests if d.limit == 'requests' else tokens}. Please "
+            f"try again in {d.retry_after * 1000:.0f}ms.",
+            code="rate_limit_exceeded",
+            type=d.limit,
+            headers=d.headers,
+        )
 
     def finish(
         self,
@@ -260,24 +345,24 @@ class Accounts:
         it). A request that failed on the server's side costs nothing; one that finished on
         a lane with a promise is judged by it (`_judge`)."""
         used = input_tokens + output_tokens
-        left = self.in_flight.get(ticket.key.id, 1) - 1
-        if left > 0:
-            self.in_flight[ticket.key.id] = left
-        else:
-            self.in_flight.pop(ticket.key.id, None)
+        if ticket.held > 0:
+            ticket.held -= 1
+            self.in_flight.remove(ticket.key.id, ticket.lane)
         self.limiter.settle(ticket.key.id, ticket.lane, estimated_tokens, used)
         tokens = (input_tokens, cached_tokens, output_tokens)
         ticket.add_usage(tokens, timings)
         ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.lane, model)
         row = self._row(*ids, status, *tokens, timings)
         if ticket.promise is not None and status in ("stop", "length"):
-            self._judge(row, ticket.promise, timings)
-        self.ledger.record(row)
+            self._judge(row, ticket, timings)
+        self.ledger.record_once(row)
         return row
 
-    def _judge(self, row: LedgerRow, promise: Stated, timings: dict[str, float | None]) -> None:
-        """Record the promise and what was delivered on the row; a request that missed its
-        promise is billed at the default lane's price, the difference recorded as refund."""
+    def _judge(self, row: LedgerRow, ticket: Ticket, timings: dict[str, float | None]) -> None:
+        """Record the promise and what was delivered on the row, and why it missed; a request
+        that missed its promise is billed at the default lane's price, the difference recorded
+        as refund, unless it missed its first token waiting on its own account (`no_refund`)."""
+        promise: Stated = ticket.promise
         verdict: Verdict = promise.judge(
             row.input_tokens, row.output_tokens, timings.get("ttft_s"), timings.get("decode_s")
         )
@@ -285,7 +370,10 @@ class Accounts:
         row.promised_ttft_s = promise.ttft_allowed(row.input_tokens)
         row.delivered_tokens_per_s = verdict.delivered_tokens_per_s
         row.promise_kept = int(verdict.kept)
-        if not verdict.kept:
+        row.missed = verdict.missed
+        if verdict.missed == "ttft" and ticket.no_refund is not None:
+            row.refund_withheld = ticket.no_refund
+        elif not verdict.kept:
             default = self.lanes["default"].price_multiplier
             tokens = (row.input_tokens, row.cached_tokens, row.output_tokens)
             billed = self.prices.cost(*tokens, default)
@@ -305,7 +393,8 @@ class Accounts:
         output_tokens: int,
         timings: dict[str, float | None] | None = None,
     ) -> LedgerRow:
-        """A ledger row priced at the serving lane's multiplier; errors cost nothing."""
+        """A ledger row priced at the serving lane's multiplier; an error costs what it had
+        delivered (nothing, if it failed before its first token)."""
         lane = self.lanes.get(tier_served)
         multiplier = lane.price_multiplier if lane is not None else 1.0
         cost = self.prices.cost(input_tokens, cached_tokens, output_tokens, multiplier)
@@ -320,7 +409,7 @@ class Accounts:
             input_tokens=input_tokens,
             cached_tokens=cached_tokens,
             output_tokens=output_tokens,
-            cost=0.0 if status == "error" else cost,
+            cost=0.0 if status == "error" and not output_tokens else cost,
             **times,
         )
 

@@ -4,11 +4,12 @@
 1. the model is checked (404, `ServerState.check_model`);
 2. the model's generation-config defaults fill the sampling fields the body leaves unset;
 3. the endpoint's own checks run (sizes, field combinations), before any work;
-4. the key is admitted to a lane (`accounts.py`: entitlement, rate limits, queue bounds);
+4. the key is admitted to a lane for the request's generations (`accounts.py`: entitlement,
+   queue bounds and requests/min, reserved until they end or the request fails);
 5. the endpoint renders its prompts and makes each engine request through `Admission.make`:
    the rules for every request (`check_request`) apply, then the engine validates and
    tokenizes the `Submission` (its errors name the API's fields: `errors.API_FIELDS`);
-6. the rate limit is charged for all of them and they start, all or none (`start`).
+6. tokens/min is charged for all of them and they start, all or none (`start`).
 
 A rule that applies to every request is written once, in `check_request`.
 """
@@ -46,11 +47,13 @@ class Built:
 class Endpoint:
     """An endpoint's part of admission: `api` names its column of `errors.API_FIELDS` (for
     this body), `check` its own checks before any work (returns the prompt's characters),
-    `build` renders and makes its requests with `Admission.make`."""
+    `build` renders and makes its requests with `Admission.make`, `generations` counts them
+    (choices times prompts) before any is made."""
 
     api: Callable[[Any], str]
     check: Callable[[ServerState, Any], int]
     build: Callable[[Admission, Any], Awaitable[Built]]
+    generations: Callable[[Any], int] = lambda body: 1
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Admission:
                 self.ticket.lane,
                 add_special_tokens,
                 prefix_salt(self.state, self.ticket, self.cache_salt),
+                self.ticket.tenant,
             )
             return self.state.engine.make_request(sub)
         except ExpresslaneError as e:
@@ -132,12 +136,16 @@ async def admit_and_submit(
     model = state.check_model(body.model)
     body = with_model_defaults(body, state.engine.sampling_defaults)
     chars = endpoint.check(state, body)
-    ticket = state.admit(key, body.service_tier, chars)
+    ticket = state.admit(key, body.service_tier, chars, endpoint.generations(body))
     if http is not None:
         http.state.ticket = ticket
-    admission = Admission(state, ticket, endpoint.api(body), body.cache_salt, chars)
-    built = await endpoint.build(admission, body)
-    gens = start(state, built.requests, ticket, received, built.n)
+    try:
+        admission = Admission(state, ticket, endpoint.api(body), body.cache_salt, chars)
+        built = await endpoint.build(admission, body)
+        gens = start(state, built.requests, ticket, received, built.n)
+    except BaseException:
+        state.accounts.release(ticket)  # what was reserved and did not start
+        raise
     return Admitted(model, body, ticket, gens, built)
 
 
@@ -173,13 +181,14 @@ def prefix_salt(state: ServerState, ticket: Ticket, cache_salt: str | None) -> s
 def start(
     state: ServerState, reqs: list[PreparedRequest], ticket: Ticket, received: float, n: int = 1
 ) -> list[Generation]:
-    """Charge the rate limit for all the requests, then submit them all (or none). Requests
-    come in groups of `n` choices of the same prompt."""
+    """Charge tokens/min for all the requests, then submit them all (or none). Requests come
+    in groups of `n` choices of the same prompt; a ticket reserved more generations than it
+    made gives the others back."""
     estimates = [
         (r.num_prompt_tokens if i % n == 0 else 0) + (r.params.max_tokens or 0)
         for i, r in enumerate(reqs)
     ]
-    state.accounts.charge(ticket, sum(estimates), requests=len(reqs))
+    state.accounts.charge(ticket, sum(estimates))
     gens: list[Generation] = []
     try:
         for i, (req, estimate) in enumerate(zip(reqs, estimates, strict=True)):
@@ -187,4 +196,5 @@ def start(
     except ValueError as e:
         abort_all(gens)
         raise APIError(400, str(e)) from e
+    state.accounts.release(ticket, keep=len(gens))
     return gens

@@ -121,7 +121,7 @@ async def _build(admission: Admission, body: ChatCompletionRequest) -> Built:
     return Built(reqs, len(params), (cid, setup))
 
 
-CHAT = Endpoint(_api, _validate, _build)
+CHAT = Endpoint(_api, _validate, _build, lambda body: body.n or 1)
 
 
 async def _plain(request: Request, gens, choices: list[Choice], base: dict) -> Response:

@@ -178,7 +178,12 @@ async def _build(admission: Admission, body: CompletionRequest) -> Built:
     return Built(reqs, n, (cid, echoes))
 
 
-COMPLETIONS = Endpoint(lambda body: "completions", _check, _build)
+def _generations(body: CompletionRequest) -> int:
+    """Choices times prompts (`_check` has run: the prompt is valid)."""
+    return (body.n or 1) * len(_prompts(body.prompt))
+
+
+COMPLETIONS = Endpoint(lambda body: "completions", _check, _build, _generations)
 
 
 @router.post("/v1/completions")

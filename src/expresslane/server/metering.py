@@ -69,6 +69,18 @@ MIGRATIONS = [
             )
         ),
     ),
+    # One row per request id whatever its status (rows a second server wrote for the same
+    # request before this index existed are dropped, the first kept); why a promise was missed.
+    Migration(
+        4,
+        (
+            "DELETE FROM ledger WHERE id NOT IN (SELECT MIN(id) FROM ledger GROUP BY request_id)",
+            "DROP INDEX IF EXISTS ledger_interrupted_once",
+            "CREATE UNIQUE INDEX IF NOT EXISTS ledger_request_once ON ledger (request_id)",
+            "ALTER TABLE ledger ADD COLUMN missed TEXT",
+            "ALTER TABLE ledger ADD COLUMN refund_withheld TEXT",
+        ),
+    ),
 ]
 # INSERT ... SELECT's values get no type from the columns in PostgreSQL (a NULL would be text)
 CASTS = {"str": "TEXT", "int": "INTEGER", "float": "DOUBLE PRECISION"}
@@ -123,6 +135,9 @@ class LedgerRow:
     delivered_tokens_per_s: float | None = None
     promise_kept: int | None = None  # 1 kept, 0 missed
     refund: float = 0.0
+    missed: str | None = None  # what the promise missed: "ttft" or "speed"
+    # a miss not refunded, and why: "own_backlog", "queued_without_room" (accounts.Ticket)
+    refund_withheld: str | None = None
 
 
 def month_start(now: float | None = None) -> float:
@@ -132,7 +147,6 @@ def month_start(now: float | None = None) -> float:
 
 NAMES = [f.name for f in fields(LedgerRow)]
 INSERT = f"INSERT INTO ledger (ts, {', '.join(NAMES)}) "
-RECORD = INSERT + f"VALUES (?, {', '.join('?' * len(NAMES))})"
 RECORD_ONCE = (
     INSERT
     + "SELECT CAST(? AS DOUBLE PRECISION), "
@@ -146,14 +160,10 @@ class Ledger:
         self.db = db
         migrate(db, "ledger", MIGRATIONS)
 
-    def record(self, row: LedgerRow) -> None:
-        values = [getattr(row, n) for n in NAMES]
-        self.db.execute(RECORD, [time.time(), *values])
-
     def record_once(self, row: LedgerRow) -> bool:
         """Write the row unless the ledger already has one for its request id (one statement,
-        so billing a request twice is impossible; two servers recovering the same request at
-        once meet the unique index of interrupted rows); True if it was written."""
+        and a unique index: however two writers race, a request is billed once); True if it
+        was written."""
         values = [getattr(row, n) for n in NAMES]
         result = self.db.execute(RECORD_ONCE, [time.time(), *values, row.request_id])
         return result.rowcount == 1

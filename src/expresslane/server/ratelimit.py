@@ -1,7 +1,8 @@
 """Requests/min and tokens/min per key and tier: token buckets, and OpenAI's rate-limit headers.
 
 A bucket holds up to one minute's allowance and refills continuously. A request takes one from
-the requests bucket and its estimated tokens (prompt + max output tokens) from the tokens bucket;
+the requests bucket per generation it asks for (`n` times its prompts) when it is admitted, and
+its estimated tokens (prompts + max output tokens) from the tokens bucket once tokenized;
 when it finishes, the estimate is corrected to the tokens it really used, so a bucket may go
 below zero and the next request then waits. A refused request gets 429 with `Retry-After`
 (whole seconds) and `retry-after-ms`, which the openai SDK honors.
@@ -112,12 +113,20 @@ class RateLimiter:
             b = self._buckets[(key_id, tier, kind)] = Bucket(per_minute)
         return b
 
-    def take(self, key_id: str, tier: str, rpm: int | None, tpm: int | None, tokens: int):
-        """Take one request and `tokens` if both are available, else refuse (nothing taken)."""
+    def take(
+        self,
+        key_id: str,
+        tier: str,
+        rpm: int | None,
+        tpm: int | None,
+        tokens: int,
+        requests: int = 1,
+    ) -> Decision:
+        """Take `requests` and `tokens` if both are available, else refuse (nothing taken)."""
         now = time.monotonic()
         with self._lock:
             buckets = {
-                "requests": (self._bucket(key_id, tier, "requests", rpm), 1),
+                "requests": (self._bucket(key_id, tier, "requests", rpm), requests),
                 "tokens": (self._bucket(key_id, tier, "tokens", tpm), tokens),
             }
             for b, _ in buckets.values():

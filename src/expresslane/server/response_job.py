@@ -124,7 +124,7 @@ class ResponseJob:
         except asyncio.CancelledError:
             if self.interrupted is None:
                 self.gen.abort()
-                self.assembler.cancelled(self.gen.last, self.gen.request.num_prompt_tokens)
+                self.assembler.cancelled(self.gen.spent, self.gen.request.num_prompt_tokens)
                 raise
             self._stop_interrupted()
         except Exception:
@@ -153,8 +153,8 @@ class ResponseJob:
     def _stop_interrupted(self) -> None:
         """The server stopped it: incomplete, with its output so far, billed as interrupted."""
         self.gen.abort("interrupted")
-        spent = usage(self.gen.last)
-        if self.gen.last is None:
+        spent = usage(self.gen.spent)
+        if self.gen.spent is None:
             spent["input_tokens"] = spent["total_tokens"] = self.gen.request.num_prompt_tokens
         mark_interrupted(self.response, self.interrupted, spent)
         self.full_context = self._conversation([])

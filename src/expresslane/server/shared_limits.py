@@ -45,16 +45,17 @@ def _refilled(level: str, cap: str, old_cap: str, now: str, stamp: str) -> str:
 _R = _refilled("b.requests", "excluded.rpm", "b.rpm", "excluded.stamp", "b.stamp")
 _T = _refilled("b.tokens", "excluded.tpm", "b.tpm", "excluded.stamp", "b.stamp")
 _AMOUNT = "CAST(:tokens AS DOUBLE PRECISION)"
+_REQUESTS = "CAST(:requests AS DOUBLE PRECISION)"
 _OK = (
-    f"((excluded.rpm IS NULL OR {_R} >= LEAST(1, excluded.rpm)) "
+    f"((excluded.rpm IS NULL OR {_R} >= LEAST({_REQUESTS}, excluded.rpm)) "
     f"AND (excluded.tpm IS NULL OR {_T} >= LEAST({_AMOUNT}, excluded.tpm)))"
 )
 TAKE = f"""
 INSERT INTO rate_limits AS b (key_id, tier, rpm, tpm, requests, tokens, stamp, granted)
 VALUES (:key, :tier, CAST(:rpm AS INTEGER), CAST(:tpm AS INTEGER),
-        CAST(:rpm AS INTEGER) - 1, CAST(:tpm AS INTEGER) - {_AMOUNT}, {NOW}, TRUE)
+        CAST(:rpm AS INTEGER) - {_REQUESTS}, CAST(:tpm AS INTEGER) - {_AMOUNT}, {NOW}, TRUE)
 ON CONFLICT (key_id, tier) DO UPDATE SET
-    requests = {_R} - CASE WHEN {_OK} THEN 1 ELSE 0 END,
+    requests = {_R} - CASE WHEN {_OK} THEN {_REQUESTS} ELSE 0 END,
     tokens = {_T} - CASE WHEN {_OK} THEN {_AMOUNT} ELSE 0 END,
     rpm = excluded.rpm, tpm = excluded.tpm, stamp = excluded.stamp, granted = {_OK}
 RETURNING requests, tokens, granted
@@ -89,15 +90,24 @@ class SharedRateLimiter:
         self.db = db
         migrate(db, "rate_limits", MIGRATIONS)
 
-    def take(self, key_id: str, tier: str, rpm: int | None, tpm: int | None, tokens: int):
-        """Take one request and `tokens` if both are available, else refuse (nothing taken)."""
+    def take(
+        self,
+        key_id: str,
+        tier: str,
+        rpm: int | None,
+        tpm: int | None,
+        tokens: int,
+        requests: int = 1,
+    ) -> Decision:
+        """Take `requests` and `tokens` if both are available, else refuse (nothing taken)."""
         if rpm is None and tpm is None:
             return Decision(True, 0.0, {})
         params = {"key": key_id, "tier": tier, "rpm": rpm, "tpm": tpm, "tokens": tokens}
-        requests, tokens_left, granted = self.db.execute(TAKE, params).one()
+        params["requests"] = requests
+        left, tokens_left, granted = self.db.execute(TAKE, params).one()
         back = 1 if granted else 0  # decide sees the levels from before this take
         buckets = {
-            "requests": (_bucket(rpm, requests, back), 1),
+            "requests": (_bucket(rpm, left, requests * back), requests),
             "tokens": (_bucket(tpm, tokens_left, tokens * back), tokens),
         }
         return decide(buckets, allowed=granted)

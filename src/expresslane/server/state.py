@@ -96,18 +96,26 @@ class ServerState:
             code="model_not_found",
         )
 
-    def admit(self, key: ApiKey, service_tier: str | None, prompt_chars: int = 0) -> Ticket:
-        """The ticket of a request of this key (HTTP or WebSocket; `admission.py`): the lane
-        that serves it, which the engine must be able to place in the key's regions. Whether
-        a lane has room is predicted for a prompt of about `prompt_chars` characters."""
+    def admit(
+        self, key: ApiKey, service_tier: str | None, prompt_chars: int = 0, generations: int = 1
+    ) -> Ticket:
+        """The ticket of a request of this key (HTTP or WebSocket; `admission.py`) for
+        `generations` engine requests: the lane that serves it, which the engine must be able
+        to place in the key's regions. Whether a lane has room is predicted for a prompt of
+        about `prompt_chars` characters."""
         tokens = prompt_chars // CHARS_PER_TOKEN + 1
 
         def room(lane: str) -> bool:
             return self.engine.lane_room(lane, tokens)
 
-        ticket = self.accounts.admit(key, service_tier, self.engine.lane_load, room)
+        accounts = self.accounts
+        ticket = accounts.admit(key, service_tier, self.engine.lane_load, room, generations)
         ticket.promise = self.engine.promises().get(ticket.lane)
-        self.engine.check_placement(ticket.lane, ticket.regions)
+        try:
+            self.engine.check_placement(ticket.lane, ticket.regions)
+        except BaseException:
+            accounts.release(ticket)
+            raise
         return ticket
 
 
