@@ -1,6 +1,7 @@
 """The FastAPI app (`create_app`); `expresslane serve` is `cli/serving.py`.
 
-Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/models,
+Routes: /v1/responses (+ WebSocket mode), /v1/chat/completions, /v1/completions, /v1/messages
+(Anthropic's Messages API, `messages.py`), /v1/models,
 /v1/tiers (each tier's price and promise), /health (alive), /ready (taking work: 503 while
 starting or draining), /metrics, the playground at / (`pages.py`) and /docs, /redoc (their
 scripts served from here, not a CDN).
@@ -21,7 +22,15 @@ from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 
 from expresslane.engine.protocol import ServingEngine
-from expresslane.server import chat, completions, responses, tiers, tokenize, websocket
+from expresslane.server import (
+    chat,
+    completions,
+    messages,
+    responses,
+    tiers,
+    tokenize,
+    websocket,
+)
 from expresslane.server.accounts import Accounts, QueueLimits
 from expresslane.server.auth import AuthMiddleware, operator_key
 from expresslane.server.durability import recover, sweep
@@ -81,6 +90,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     _add_middleware(app, settings, accounts, lifecycle)
     for module in (responses, websocket, chat, completions, tokenize, tiers):
         app.include_router(module.router, responses=ERROR_RESPONSES)
+    app.include_router(messages.router)  # its errors are in Anthropic's shape
     app.include_router(_models, responses=ERROR_RESPONSES)
     app.include_router(_operations)
     install_pages(app)

@@ -6,7 +6,9 @@ The authenticated key is left in the request's state (`request.state.api_key`); 
 headers and the tier that serves it (`x-expresslane-served-tier`, a downgraded request's
 included) are added when the response starts.
 
-An Authorization header that is not printable ASCII is refused with 401 before any lookup
+Anthropic's `x-api-key: KEY` header works as `Authorization: Bearer KEY` (which wins when both
+are sent); on Anthropic's paths (/v1/messages) a refused key is answered in Anthropic's error
+shape. An Authorization header that is not printable ASCII is refused with 401 before any lookup
 (no key has such characters). `operator_key` authenticates the routes outside /v1 that only
 the operator may see (`/fleet/status`, per-key `/metrics`).
 """
@@ -19,6 +21,7 @@ import logging
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from expresslane.server import anthropic_errors
 from expresslane.server.database import DatabaseUnavailable
 from expresslane.server.errors import APIError, database_unavailable
 from expresslane.server.keys import OPEN_ACCESS_ID, ApiKey
@@ -39,7 +42,7 @@ class AuthMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         state = scope.setdefault("state", {})
         try:
-            state["api_key"] = authenticate(self.accounts, headers.get("authorization"))
+            state["api_key"] = authenticate(self.accounts, credential(headers))
         except APIError as e:
             await _deny(scope, send, e)
             return
@@ -63,6 +66,14 @@ class AuthMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+def credential(headers: dict[str, str]) -> str | None:
+    """The Authorization header, or Anthropic's `x-api-key` as its Bearer form."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key"):
+        return "Bearer " + headers["x-api-key"]
+    return authorization
 
 
 def authenticate(accounts, authorization: str | None) -> ApiKey:
@@ -101,7 +112,10 @@ def require_operator(request: Request, accounts) -> ApiKey:
 
 
 async def _deny(scope: Scope, send: Send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+    if scope["path"].startswith(anthropic_errors.PATH):
+        body = anthropic_errors.error_bytes(error)
+    else:
+        body = json.dumps(error.body()).encode()
     start = {
         "status": error.status,
         "headers": [
