@@ -30,11 +30,14 @@ def tokenize(
 
 
 def check_params(
-    params: SamplingParams, prompt_len: int, max_model_len: int, vocab: int
+    params: SamplingParams, prompt_len: int, max_model_len: int, vocab: int, clamp: bool = False
 ) -> SamplingParams:
     """`params` for a prompt of `prompt_len` tokens, or an InvalidRequestError. A top_k of at
-    least the vocabulary keeps every token: it becomes 0 (no filter)."""
+    least the vocabulary keeps every token: it becomes 0 (no filter). With `clamp`, a
+    `max_tokens` past the context is lowered to what fits."""
     room = max_model_len - prompt_len
+    if clamp and params.max_tokens is not None and room >= 1 and params.max_tokens > room:
+        params = dataclasses.replace(params, max_tokens=room)
     if room < 1:
         raise ContextLengthExceeded(
             f"the prompt has {prompt_len} tokens but this model's context is "

@@ -89,7 +89,9 @@ class RequestFactory:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         ids, text = tokenize(self.tokenizer, self.vocab_size, sub.prompt, sub.add_special_tokens)
-        params = check_params(sub.params, len(ids), self.max_model_len, self.vocab_size)
+        params = check_params(
+            sub.params, len(ids), self.max_model_len, self.vocab_size, sub.clamp_max_tokens
+        )
         req = Request(
             request_id if request_id is not None else f"req-{next(_ids)}",
             ids,

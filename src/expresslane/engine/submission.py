@@ -17,7 +17,8 @@ class Submission:
     or token ids; `lane` the engine lane that serves it (the API's service tier, resolved by
     `lanes.lane_for`); requests share cached prompt prefixes only with requests of the same
     `cache_salt` (None: with every request without one; the server folds the owner in);
-    `tenant` names whose it is (an API key's id), for the lane shares of the scheduler."""
+    `tenant` names whose it is (an API key's id), for the lane shares of the scheduler;
+    `clamp_max_tokens` lowers a `max_tokens` past the context to what fits (else an error)."""
 
     prompt: str | list[int]
     params: SamplingParams
@@ -26,3 +27,4 @@ class Submission:
     add_special_tokens: bool = True
     cache_salt: str | None = None
     tenant: str | None = None
+    clamp_max_tokens: bool = False

@@ -85,6 +85,7 @@ class Admission:
                 add_special_tokens,
                 prefix_salt(self.state, self.ticket, self.cache_salt),
                 self.ticket.tenant,
+                self.state.settings.clamp_max_tokens,
             )
             return self.state.engine.make_request(sub)
         except ExpresslaneError as e:

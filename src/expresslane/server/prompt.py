@@ -143,8 +143,8 @@ def responses_input(
         read = _INPUT_ITEMS.get(kind)
         if read is None:
             raise invalid(
-                f"'{p}.type' {kind!r} is not supported; use message, function_call "
-                "or function_call_output items.",
+                f"'{p}.type' {kind!r} is not supported; use message, function_call, "
+                "function_call_output, custom_tool_call or custom_tool_call_output items.",
                 param=f"{p}.type",
                 code="unsupported_item_type",
             )
@@ -184,17 +184,30 @@ def _input_message(item: dict, p: str, messages: list[dict], names: dict) -> dic
 
 
 def _input_function_call(item: dict, p: str, messages: list[dict], names: dict) -> dict:
+    """A replayed call (`custom_tool_call` too: its input is the one string argument the
+    model wrote), under the flat name the model was offered (`response_tools.py`)."""
     call_id = _require_str(item, "call_id", p)
     name = _require_str(item, "name", p)
-    arguments = _require_str(item, "arguments", p)
-    _add_call(messages, call_id, name, arguments)
-    names[call_id] = name
+    custom = item.get("type") == "custom_tool_call"
+    if custom:
+        arguments = json.dumps({"input": _require_str(item, "input", p)}, ensure_ascii=False)
+    else:
+        arguments = _require_str(item, "arguments", p)
+    namespace = item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise invalid(f"'{p}.namespace' must be a string.", param=f"{p}.namespace")
+    flat = name if namespace is None else f"{namespace}.{name}"
+    _add_call(messages, call_id, flat, arguments)
+    names[call_id] = flat
+    kept = {"input": item["input"]} if custom else {"arguments": arguments}
+    if namespace is not None:
+        kept["namespace"] = namespace
     return {
-        "type": "function_call",
-        "id": item.get("id") or new_id("fc"),
+        "type": item["type"] if custom else "function_call",
+        "id": item.get("id") or new_id("ctc" if custom else "fc"),
         "call_id": call_id,
         "name": name,
-        "arguments": arguments,
+        **kept,
         "status": "completed",
     }
 
@@ -213,9 +226,10 @@ def _input_function_call_output(item: dict, p: str, messages: list[dict], names:
     messages.append(
         {"role": "tool", "tool_call_id": call_id, "name": names[call_id], "content": text}
     )
+    custom = item.get("type") == "custom_tool_call_output"
     return {
-        "type": "function_call_output",
-        "id": item.get("id") or new_id("fco"),
+        "type": item["type"] if custom else "function_call_output",
+        "id": item.get("id") or new_id("ctco" if custom else "fco"),
         "call_id": call_id,
         "output": output,
         "status": "completed",
@@ -226,6 +240,8 @@ _INPUT_ITEMS = {  # Responses input item type -> its reader
     "message": _input_message,
     "function_call": _input_function_call,
     "function_call_output": _input_function_call_output,
+    "custom_tool_call": _input_function_call,
+    "custom_tool_call_output": _input_function_call_output,
 }
 
 

@@ -92,6 +92,18 @@ def usage(out: RequestOutput | None) -> dict:
     }
 
 
+def plain_call_item(call: ToolCall, status: str) -> dict:
+    """A call as a `function_call` output item (see `response_tools.Offered.call_item`)."""
+    return {
+        "id": new_id("fc"),
+        "type": "function_call",
+        "status": status,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+    }
+
+
 class ResponseAssembler:
     def __init__(
         self,
@@ -102,6 +114,7 @@ class ResponseAssembler:
         with_logprobs: bool = False,
         max_calls: int | None = None,
         splitter: ReasoningStreamer | None = None,
+        call_item: Callable[[ToolCall, str], dict] | None = None,
     ):
         self.r = response
         self.splitter = splitter or ReasoningParser().streamer()
@@ -117,6 +130,7 @@ class ResponseAssembler:
         self.pending_logprobs: list[dict] = []
         self.text = ""  # the visible output text
         self.calls: list[ToolCall] = []
+        self.call_item = call_item or plain_call_item
 
     # -- events -----------------------------------------------------------------------------
 
@@ -258,35 +272,24 @@ class ResponseAssembler:
             self.emit({"type": "response.completed", "response": self.r})
 
     def _emit_call(self, call: ToolCall, status: str) -> None:
-        item = {
-            "id": new_id("fc"),
-            "type": "function_call",
-            "status": "in_progress",
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": "",
-        }
+        item = self.call_item(call, "in_progress")
+        custom = item["type"] == "custom_tool_call"
+        field, kind = (
+            ("input", "custom_tool_call_input")
+            if custom
+            else ("arguments", "function_call_arguments")
+        )
+        text, item[field] = item[field], ""
         idx = len(self.r["output"])
         self.r["output"].append(item)
         self.emit({"type": "response.output_item.added", "output_index": idx, "item": item})
-        self.emit(
-            {
-                "type": "response.function_call_arguments.delta",
-                "item_id": item["id"],
-                "output_index": idx,
-                "delta": call.arguments,
-            }
-        )
-        item["arguments"] = call.arguments
-        self.emit(
-            {
-                "type": "response.function_call_arguments.done",
-                "item_id": item["id"],
-                "output_index": idx,
-                "name": call.name,
-                "arguments": call.arguments,
-            }
-        )
+        where = {"item_id": item["id"], "output_index": idx}
+        self.emit({"type": f"response.{kind}.delta", **where, "delta": text})
+        item[field] = text
+        done = {"type": f"response.{kind}.done", **where, field: text}
+        if not custom:
+            done["name"] = item["name"]
+        self.emit(done)
         item["status"] = status
         self.emit({"type": "response.output_item.done", "output_index": idx, "item": item})
 

@@ -33,7 +33,8 @@ from expresslane.server.prompt import (
 )
 from expresslane.server.reasoning import requested_effort
 from expresslane.server.response_builder import ResponseAssembler, base_response, usage
-from expresslane.server.schemas import ResponseCreateRequest
+from expresslane.server.response_tools import Offered, flat_name, offered
+from expresslane.server.schemas import ResponseCreateRequest, ToolChoiceFunction
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
 from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
@@ -211,17 +212,20 @@ class ResponseJob:
             await asyncio.wait({self.task})
 
 
-def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSetup, Any]:
-    """The request's tools resolved, and its tool_choice as the response echoes it."""
-    tools = [t.model_dump() for t in req.tools or []]
+def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSetup, Any, Offered]:
+    """The request's tools resolved into what the model is offered (`response_tools.py`), and
+    its tool_choice as the response echoes it."""
+    tools = offered(echoed_tools(req))
     choice, forced = req.tool_choice, None
-    if choice is not None and not isinstance(choice, str):
-        choice, forced = None, choice.name
+    if isinstance(choice, ToolChoiceFunction):
+        choice, forced = None, flat_name(choice.name, choice.namespace)
+    elif choice is not None and not isinstance(choice, str):
+        choice = None  # a hosted tool: none runs here, so the model answers
     fmt = req.text.format if req.text is not None else None
     content = output_schema(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
     setup = tool_setup(
         state,
-        tools,
+        tools.functions,
         choice,
         forced,
         parallel=req.parallel_tool_calls is not False,
@@ -229,8 +233,12 @@ def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSet
         param="tool_choice.name",
         content_param="text.format",
     )
-    echo = req.tool_choice.model_dump() if forced else (req.tool_choice or "auto")
-    return setup, echo
+    echo = req.tool_choice or "auto"
+    return setup, echo if isinstance(echo, str) else echo.model_dump(exclude_none=True), tools
+
+
+def echoed_tools(req: ResponseCreateRequest) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in req.tools or []]
 
 
 def resolve_previous(
@@ -271,10 +279,11 @@ class Prepared:
     items: list[dict]
     context: list[dict]
     new_messages: list[dict]
-    tools: list[dict]
+    tools: list[dict]  # as the request sent them (the response echoes them)
     choice: Any
     parser: ToolParser | None
     declared: set[str]
+    offered: Offered
 
 
 def check(state: ServerState, req: ResponseCreateRequest) -> int:
@@ -310,7 +319,7 @@ async def prepare_request(
     state = admission.state
     context = resolve_previous(state, req.previous_response_id, local, owner=admission.ticket.owner)
     items, new_messages = responses_input(_input(req), context)
-    setup, choice = _tool_setup(state, req)
+    setup, choice, tools_offered = _tool_setup(state, req)
     tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     params = _sampling(req, setup, generate)
@@ -329,7 +338,17 @@ async def prepare_request(
         return attempt(messages)
 
     engine_req = await off_loop(render_and_make, admission.chars + text_size(context))
-    return Prepared(engine_req, items, context, new_messages, tools, choice, parser, setup.declared)
+    return Prepared(
+        engine_req,
+        items,
+        context,
+        new_messages,
+        echoed_tools(req),
+        choice,
+        parser,
+        setup.declared,
+        tools_offered,
+    )
 
 
 def _sampling(req: ResponseCreateRequest, setup, generate: bool):
@@ -378,6 +397,8 @@ async def create_job(
         tool_choice=p.choice,
         store=store,
     )
+    if p.offered.not_offered:
+        response["tools_not_offered"] = p.offered.not_offered
     event_log = EventLog(extra)
     streamer = p.parser.streamer(p.declared) if p.parser is not None else None
     assembler = ResponseAssembler(
@@ -388,6 +409,7 @@ async def create_job(
         _with_logprobs(req),
         req.max_tool_calls,
         state.reasoning_parser.streamer(),
+        p.offered.call_item,
     )
     job = ResponseJob(
         state, response, p.items, p.context, p.new_messages, gen, assembler, event_log, store

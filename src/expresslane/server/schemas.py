@@ -9,7 +9,7 @@ Engine extensions (vLLM-style) are accepted on every endpoint: `top_k`, `min_tok
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -57,6 +57,21 @@ def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
 # -- Responses ------------------------------------------------------------------------------
 
 _TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+# What `include` may ask for (OpenAI's `ResponseIncludable`); the ones about hosted tools and
+# images have nothing to add here
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
+Callers = list[Literal["direct", "programmatic"]] | None
 
 
 class FunctionTool(Strict):
@@ -67,11 +82,83 @@ class FunctionTool(Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    allowed_callers: Callers = None  # accepted; every call here is direct
+    defer_loading: bool | None = None  # accepted; every tool is offered at once
+    output_schema: dict[str, Any] | None = None
+
+
+class CustomToolFormat(Strict):
+    """A custom tool's input: free text, or text of a grammar (Lark or a regular expression)."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(Strict):
+    """A Responses custom (freeform) tool: its input is text, not JSON arguments."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    format: CustomToolFormat | None = None
+    allowed_callers: Callers = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(Strict):
+    """Function and custom tools grouped under a namespace (calls name both)."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]]
+
+
+# Tools OpenAI runs itself (or the client runs on the model's typed calls): accepted, never
+# offered to the model here, and named in the response's `tools_not_offered`.
+HOSTED_TOOLS = (
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "computer",
+    "computer_use_preview",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "tool_search",
+    "programmatic_tool_calling",
+)
+
+
+class HostedTool(BaseModel):
+    """A hosted tool: its settings are OpenAI's and are kept as sent."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal[HOSTED_TOOLS]  # type: ignore[valid-type]
+
+
+ResponsesTool = Annotated[
+    FunctionTool | CustomTool | NamespaceTool | HostedTool, Field(discriminator="type")
+]
 
 
 class ToolChoiceFunction(Strict):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+    namespace: str | None = None
+
+
+class ToolChoiceHosted(BaseModel):
+    """A hosted tool as the tool choice: no such tool runs here, so the model answers."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal[HOSTED_TOOLS]  # type: ignore[valid-type]
 
 
 _FORMAT_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -105,8 +192,10 @@ class ResponseCreateRequest(EngineExtras):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceHosted | None
+    ) = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool | None = True
@@ -115,11 +204,12 @@ class ResponseCreateRequest(EngineExtras):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)
+    client_metadata: dict[str, str] | None = None  # Codex's; accepted, not stored
     context_management: Any = None  # accepted, ignored
     moderation: Any = None  # accepted, ignored
     prompt_cache_options: Any = None  # accepted, ignored
@@ -213,6 +303,7 @@ class ChatCompletionRequest(EngineExtras):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)
+    client_metadata: dict[str, str] | None = None  # Codex's; accepted, not stored
     reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort`
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None

@@ -62,6 +62,9 @@ class ServerSettings:
     max_tools: int = 128  # tools declared in one request
     max_prompt_chars: int | None = None  # None: what the context can hold (limits.py)
     max_output_tokens: int | None = None  # the most any request may ask; None: the context
+    # a max_tokens past the context: lowered to what fits (as llama.cpp does), else a 400 (as
+    # OpenAI and vLLM answer); agents that send a fixed large one (opencode: 32000) need it
+    clamp_max_tokens: bool = False
     max_queued_per_lane: int | None = None  # waiting beyond max_batch; None: max_batch
     max_in_flight_per_key: int | None = 256  # requests of one key running or waiting
     share_prefix_cache: bool = False  # with API keys, cached prefixes serve all owners
