@@ -53,7 +53,9 @@ def test_autoscaled_pools_count_their_minimum():
 def test_a_file_that_cannot_fit_exits_2_in_one_line(tmp_path):
     pytest.importorskip("ray")
     big = tmp_path / "big.toml"
-    big.write_text('[pools.big]\ntiers = ["default"]\nreplicas = 4\nnum_cpus = 4\n')
+    big.write_text(
+        '[ingress]\nopen = true\n[pools.big]\ntiers = ["default"]\nreplicas = 4\nnum_cpus = 4\n'
+    )
     cmd = [sys.executable, "-m", "expresslane.cli", "cluster", str(big), "--num-cpus", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]

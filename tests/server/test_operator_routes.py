@@ -36,3 +36,16 @@ def test_a_non_ascii_bearer_token_is_a_401(tenant_server, token):
     assert r.status_code == 401, r.text
     error = r.json()["error"]
     assert error["code"] == "invalid_api_key" and error["type"] and error["message"]
+
+
+def test_keys_create_operator_makes_an_operator_key(tmp_path):
+    from expresslane.server.database import connect
+    from expresslane.server.keys import KeyStore
+
+    db = str(tmp_path / "accounts.sqlite")
+    made = {
+        name: json.loads(run_cli("keys", "create", name, *flags, "--json", "--db", db))["key"]
+        for name, flags in (("ops", ["--operator"]), ("tenant", []))
+    }
+    store = KeyStore(connect(db))
+    assert store.lookup(made["ops"]).operator and not store.lookup(made["tenant"]).operator

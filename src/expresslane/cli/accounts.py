@@ -83,6 +83,7 @@ def _create_key(store, args: argparse.Namespace) -> int:
             monthly_tokens=args.monthly_tokens,
             when_unavailable=args.when_unavailable,
             regions=args.regions.split(",") if args.regions else None,
+            operator=args.operator,
         )
     except ValueError as e:
         print(f"expresslane keys create: {e}", file=sys.stderr)
@@ -263,6 +264,12 @@ def add_account_commands(sub) -> None:
         "--regions",
         default=None,
         help="a fleet's regions this key may be served in, comma-separated (default: any)",
+    )
+    c.add_argument(
+        "--operator",
+        action="store_true",
+        help="the server's operator: sees every key's metrics, where requests ran and the "
+        "fleet's status",
     )
     c.add_argument("--json", action="store_true")
     ls = actions.add_parser("list", parents=[db], help="list keys")

@@ -30,14 +30,14 @@ from expresslane.promise import Stated, Verdict
 from expresslane.server.database import connect
 from expresslane.server.errors import APIError
 from expresslane.server.in_flight import InFlight
-from expresslane.server.keys import OPEN_ACCESS, ApiKey, KeyStore, Plan
+from expresslane.server.keys import OPEN_ACCESS, OPERATOR_KEY_ID, ApiKey, KeyStore, Plan
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
 from expresslane.server.shared_limits import SharedRateLimiter
 
 log = logging.getLogger("expresslane.server")
 # The key given with `serve --api-key` (as vLLM takes it): every tier, no limits.
-SERVER_KEY = ApiKey("api-key", "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
+SERVER_KEY = ApiKey(OPERATOR_KEY_ID, "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
 ONE_TENANT = {SERVER_KEY.id, OPEN_ACCESS.id}  # keys with no lane shares: no one to share with
 
 
