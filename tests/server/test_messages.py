@@ -8,12 +8,24 @@ key's policy), and Claude Code's CLI where it can run."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import anthropic
 import httpx
+import openai
 import pytest
 
+from expresslane.config import EngineConfig
+from expresslane.engine.async_engine import AsyncEngine
+from expresslane.engine.engine import LLMEngine
+from expresslane.server.app import create_app
 from expresslane.server.messages_thinking import sign
+from expresslane.server.settings import ServerSettings
+
+from ..conftest import make_checkpoint
+from .conftest import ServerThread
+from .test_accounts import ledger, run_cli
+from .test_promise import COSTS, FOREVER, LANES
 
 GREEDY = {"temperature": 0}  # the SDK no longer types temperature: sent as an extra field
 HI = [{"role": "user", "content": "def add(a, b):"}]
@@ -24,9 +36,11 @@ def claude(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
 
 
-def create(client: anthropic.Anthropic, **kwargs):
+def create(client: anthropic.Anthropic, raw: bool = False, **kwargs):
+    """A greedy message (`raw`: the SDK's raw response, with its headers)."""
     args = {"model": "llama", "max_tokens": 12, "messages": HI, "extra_body": GREEDY}
-    return client.messages.create(**{**args, **kwargs})
+    messages = client.messages.with_raw_response if raw else client.messages
+    return messages.create(**{**args, **kwargs})
 
 
 def test_a_text_message(claude, model_name):
@@ -65,7 +79,10 @@ def test_stream_events_come_in_anthropics_order(server, model_name):
     names = [line.removeprefix("event: ") for line in lines[::2]]
     datas = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
     assert [d["type"] for d in datas] == names  # every event line names its data's type
-    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
     blocks = names[2:-2]
     if blocks:
         assert blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
@@ -78,7 +95,9 @@ def test_stream_events_come_in_anthropics_order(server, model_name):
 def test_a_stop_sequence_ends_the_message_where_it_first_appears(claude, model_name):
     full = _text(create(claude, model=model_name, max_tokens=24))
     stop = next(
-        full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip() == full[i : i + 2]
+        full[i : i + 2]
+        for i in range(4, len(full) - 2)
+        if full[i : i + 2].strip() == full[i : i + 2]
     )
     m = create(claude, model=model_name, max_tokens=24, stop_sequences=["\x00never", stop])
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
@@ -108,3 +127,240 @@ def _blocks(m) -> list[dict]:
 def _prompt_tokens(usage) -> int:
     """Anthropic counts cached prompt tokens apart from `input_tokens`."""
     return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+# -- tool_use, on the model trained to call tools (tests/server/conftest.py) -----------------
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+PARIS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_claude(tool_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tool_server.url, api_key="test", max_retries=0)
+
+
+def ask_tools(client: anthropic.Anthropic, messages: list[dict], **kwargs):
+    args = {"model": "llama", "max_tokens": 40, "messages": messages, "tools": [WEATHER_TOOL]}
+    return client.messages.with_raw_response.create(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "tier, speed",
+    [({"speed": "fast"}, "fast"), ({"speed": "standard"}, "standard"), ({}, "standard")]
+    + [({"service_tier": "flex"}, "standard")],
+)
+@pytest.mark.parametrize(
+    "choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}], ids=["tool", "any"]
+)
+def test_a_forced_tool_use_in_every_tier(tool_claude, tier, speed, choice):
+    raw = ask_tools(tool_claude, [{"role": "user", "content": "x"}], tool_choice=choice, **tier)
+    m = raw.parse()
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+    call = m.content[0]
+    assert call.id.startswith("toolu_") and call.name == "get_weather"
+    assert call.input == {"city": "Rome"}
+    assert m.usage.speed == speed
+    served = {"fast": "ultrafast", "standard": "default"}[speed]
+    if tier.get("service_tier") == "flex":
+        served = "flex"
+    assert raw.headers["x-expresslane-served-tier"] == served
+
+
+def test_a_tool_loop_with_tool_result(tool_claude):
+    first = ask_tools(tool_claude, PARIS).parse()
+    assert first.stop_reason == "tool_use"
+    (call,) = first.content
+    assert (call.name, call.input) == ("get_weather", {"city": "Paris"})
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18C"}
+    turn = [*PARIS, {"role": "assistant", "content": first.content}]
+    answer = ask_tools(tool_claude, [*turn, {"role": "user", "content": [result]}]).parse()
+    assert answer.stop_reason == "end_turn" and _text(answer) == "It is sunny."
+    # content as blocks reads as the same string
+    blocks = {**result, "content": [{"type": "text", "text": "18C"}]}
+    again = ask_tools(tool_claude, [*turn, {"role": "user", "content": [blocks]}]).parse()
+    assert _text(again) == "It is sunny."
+
+
+def test_a_streamed_tool_use_equals_the_plain_one(tool_claude):
+    plain = ask_tools(tool_claude, PARIS).parse()
+    args = {"model": "llama", "max_tokens": 40, "messages": PARIS, "tools": [WEATHER_TOOL]}
+    with tool_claude.messages.stream(**args) as stream:
+        events = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert "input_json" in events  # the SDK's event for an input_json_delta
+    assert [(b.type, b.name, b.input) for b in streamed.content] == [
+        (b.type, b.name, b.input) for b in plain.content
+    ]
+    assert streamed.stop_reason == "tool_use" and streamed.content[0].id.startswith("toolu_")
+
+
+def test_tool_choice_none_and_text_before_a_call(tool_claude):
+    m = ask_tools(tool_claude, [{"role": "user", "content": "hi"}], tool_choice={"type": "none"})
+    assert m.parse().stop_reason == "end_turn" and _text(m.parse()) == "Hello"
+    m = ask_tools(tool_claude, [{"role": "user", "content": "Weather here?"}]).parse()
+    assert [b.type for b in m.content] == ["text", "tool_use"] and _text(m) == "Checking."
+
+
+def test_a_tool_result_must_answer_a_tool_use(tool_claude):
+    orphan = {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "18C"}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ask_tools(tool_claude, [{"role": "user", "content": [orphan]}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "toolu_nope" in e.value.body["error"]["message"]
+
+
+# -- fast mode, with real keys (the lanes of test_promise.py: two fast streams fill the lane) --
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("messages") / "accounts.sqlite")
+
+
+@pytest.fixture(scope="module")
+def keys(db) -> dict[str, str]:
+    both = ["--tiers", "ultrafast,default", "--default-tier", "default"]
+    limits = ["--limit", "ultrafast:rpm=100,tpm=100000", "--limit", "default:rpm=50,tpm=50000"]
+    plans = {
+        "fast": [*both, *limits, "--when-unavailable", "reject"],
+        "down": [*both, "--when-unavailable", "downgrade"],
+        "standard": ["--tiers", "default", "--when-unavailable", "reject"],
+    }
+    made = {n: run_cli("keys", "create", n, *f, "--json", "--db", db) for n, f in plans.items()}
+    return {name: json.loads(out)["key"] for name, out in made.items()}
+
+
+@pytest.fixture(scope="module")
+def fast_engine(tmp_path_factory):
+    model = make_checkpoint(tmp_path_factory.mktemp("long"), "llama", max_position_embeddings=4096)
+    eng = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=1024, seed=0, lanes=LANES))
+    eng.step_model.set_costs(COSTS)
+    eng.step_model.refit_every = 10**9  # keep the known costs while serving
+    eng.targets.resolve()
+    engine = AsyncEngine(eng, calibrate=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def keyed(fast_engine, db, keys):
+    settings = ServerSettings(store_path=":memory:", accounts_path=db)
+    with ServerThread(create_app(fast_engine, settings)) as s:
+        yield s
+
+
+def as_key(server, key: str, **kwargs) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, **kwargs)
+
+
+def test_fast_mode_says_what_served_it_with_both_pools_in_headers(keyed, keys, db):
+    raw = create(as_key(keyed, keys["fast"]), raw=True, speed="fast", max_tokens=4)
+    m, h = raw.parse(), raw.headers
+    assert m.usage.speed == "fast" and h["x-expresslane-served-tier"] == "ultrafast"
+    for kind in ("input", "output"):
+        assert h[f"anthropic-fast-{kind}-tokens-limit"] == "100000"
+        assert int(h[f"anthropic-fast-{kind}-tokens-remaining"]) < 100000
+        assert datetime.fromisoformat(h[f"anthropic-fast-{kind}-tokens-reset"]).tzinfo
+    assert h["anthropic-ratelimit-tokens-limit"] == "50000"
+    assert h["anthropic-ratelimit-requests-limit"] == "50"
+    assert h["x-ratelimit-limit-tokens"] == "100000"  # the OpenAI names: the served lane's
+    (row,) = [r for r in ledger(db) if r["request_id"] == m.id + "-0"]
+    assert (row["tier_requested"], row["tier_served"]) == ("ultrafast", "ultrafast")
+    assert row["promise_kept"] is not None  # judged against the lane's promise
+
+    raw = create(as_key(keyed, keys["fast"]), raw=True, max_tokens=4)
+    assert raw.parse().usage.speed == "standard"
+    assert raw.headers["x-expresslane-served-tier"] == "default"
+    assert int(raw.headers["anthropic-ratelimit-requests-remaining"]) < 50
+    assert raw.headers["anthropic-fast-input-tokens-limit"] == "100000"
+
+
+def test_fast_mode_streamed_and_by_bearer_token(keyed, keys):
+    client = anthropic.Anthropic(base_url=keyed.url, auth_token=keys["fast"], max_retries=0)
+    args = {"model": "llama", "max_tokens": 4, "messages": HI, "speed": "fast"}
+    with client.messages.stream(**args, extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+        headers = stream.response.headers
+    assert final.usage.speed == "fast" and headers["anthropic-fast-output-tokens-limit"] == "100000"
+    assert headers["x-expresslane-served-tier"] == "ultrafast"
+
+
+def test_a_full_fast_lane_answers_at_once_by_the_keys_policy(keyed, keys):
+    fill = openai.OpenAI(base_url=keyed.url + "/v1", api_key=keys["fast"], max_retries=0)
+    running = [
+        fill.completions.create(
+            model="llama",
+            prompt=[5, 6, 7],
+            max_tokens=4000,
+            stream=True,
+            extra_body={**FOREVER, "service_tier": "ultrafast"},
+        )
+        for _ in range(2)
+    ]
+    try:
+        for stream in running:
+            next(iter(stream))  # both are decoding
+        for stream_it in (False, True):
+            with pytest.raises(anthropic.RateLimitError) as e:
+                create(as_key(keyed, keys["fast"]), speed="fast", stream=stream_it)
+            assert e.value.response.headers["retry-after"] == "1"
+            assert e.value.body["type"] == "error"
+            assert e.value.body["error"]["type"] == "rate_limit_error"
+            assert e.value.response.headers["anthropic-fast-input-tokens-limit"] == "100000"
+        # the client resends without speed: served, as standard
+        assert create(as_key(keyed, keys["fast"]), max_tokens=2).usage.speed == "standard"
+        raw = create(as_key(keyed, keys["down"]), raw=True, speed="fast")
+        assert raw.parse().usage.speed == "standard"  # this key's policy: downgrade
+        assert raw.headers["x-expresslane-served-tier"] == "default"
+    finally:
+        for stream in running:
+            stream.close()
+
+
+def test_errors_are_anthropics_and_the_sdk_raises_their_types(keyed, keys, server):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        create(as_key(keyed, "sk-wrong"))
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.PermissionDeniedError) as e:
+        create(as_key(keyed, keys["standard"]), speed="fast")
+    assert e.value.body["error"]["type"] == "permission_error"
+    claude = as_key(server, "test")
+    with pytest.raises(anthropic.NotFoundError) as e:
+        create(claude, model="no-such-model")
+    assert e.value.body["error"]["type"] == "not_found_error"
+    cases = [
+        {"max_tokens": 0},
+        {"extra_body": {"max_tokens": None}},
+        {"extra_body": {"unknown_field": 1}},
+        {"messages": [{"role": "system", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"speed": "fast", "service_tier": "standard_only"},
+        {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 1024},
+    ]
+    for case in cases:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            create(claude, **case)
+        body = e.value.body
+        assert set(body) == {"type", "error"} and body["error"]["type"] == "invalid_request_error"
+        assert isinstance(body["error"]["message"], str)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
+    assert "type" not in r.json() and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_thinking_blocks_sent_back_must_carry_the_servers_signature(claude, model_name):
+    def turn(signature: str) -> list[dict]:
+        thought = {"type": "thinking", "thinking": "add them", "signature": signature}
+        said = {"type": "text", "text": "ok"}
+        return [*HI, {"role": "assistant", "content": [thought, said]}, *HI]
+
+    thinking = {"type": "enabled", "budget_tokens": 8}  # under max_tokens (12)
+    m = create(claude, model=model_name, messages=turn(sign("add them")), thinking=thinking)
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(claude, model=model_name, messages=turn(sign("add those")), thinking=thinking)
+    assert "signature" in e.value.body["error"]["message"]
