@@ -24,6 +24,7 @@ from expresslane.server.settings import ServerSettings
 
 from ..conftest import make_checkpoint
 from .conftest import ServerThread
+from .harmony_model import train_harmony_model
 from .test_accounts import ledger, run_cli
 from .test_promise import COSTS, FOREVER, LANES
 
@@ -364,3 +365,48 @@ def test_thinking_blocks_sent_back_must_carry_the_servers_signature(claude, mode
     with pytest.raises(anthropic.BadRequestError) as e:
         create(claude, model=model_name, messages=turn(sign("add those")), thinking=thinking)
     assert "signature" in e.value.body["error"]["message"]
+
+
+# -- thinking, on a tiny gpt-oss trained to answer in harmony (harmony_model.py) ------------
+
+# the template's effort as the model was trained with it: the default, "medium"
+MEDIUM = {"output_config": {"effort": "medium"}}
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory) -> anthropic.Anthropic:
+    out = tmp_path_factory.mktemp("harmony")
+    train_harmony_model(out)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(out), dtype="float32")))
+    settings = ServerSettings(store_path=":memory:", served_model_name="gpt-oss")
+    with ServerThread(create_app(engine, settings)) as s:
+        yield anthropic.Anthropic(base_url=s.url, api_key="test", max_retries=0)
+    engine.shutdown()
+
+
+def test_reasoning_comes_back_as_signed_thinking_before_the_text(harmony):
+    args = {"model": "gpt-oss", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]}
+    m = harmony.messages.create(**args, thinking={"type": "enabled", "budget_tokens": 8}, **MEDIUM)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "Greet back." and m.content[1].text == "Hello there!"
+    assert m.content[0].signature == sign("Greet back.") and m.stop_reason == "end_turn"
+    with harmony.messages.stream(**args, **MEDIUM) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert _blocks(streamed) == _blocks(m)
+    assert {"thinking_delta", "signature_delta", "text_delta"} == set(kinds)
+    hidden = harmony.messages.create(**args, thinking={"type": "disabled"}, **MEDIUM)
+    assert [b.type for b in hidden.content] == ["text"] and _text(hidden) == "Hello there!"
+
+
+def test_a_tool_loop_replays_the_signed_thinking(harmony):
+    args = {"model": "gpt-oss", "max_tokens": 60, "tools": [WEATHER_TOOL], **MEDIUM}
+    first = harmony.messages.create(**args, messages=PARIS)
+    assert [b.type for b in first.content] == ["thinking", "tool_use"]
+    assert first.content[1].input == {"city": "Paris"} and first.stop_reason == "tool_use"
+    result = {"type": "tool_result", "tool_use_id": first.content[1].id, "content": "18C"}
+    turn = [*PARIS, {"role": "assistant", "content": first.content}]
+    answer = harmony.messages.create(
+        **args, messages=[*turn, {"role": "user", "content": [result]}]
+    )
+    assert answer.content[0].thinking == "It is 18C." and _text(answer) == "Sunny, 18C."
