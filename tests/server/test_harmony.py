@@ -232,3 +232,39 @@ def test_a_reasoning_effort_that_is_not_a_string_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="gpt-oss", input="hi", reasoning={"effort": 3})
     assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_sealed_reasoning_round_trips_without_a_store(client, harmony_engine, harmony_server):
+    """Codex's way: `store: false` and `include: ["reasoning.encrypted_content"]`; the
+    reasoning comes back sealed, and sent back alone (no text) it is rendered as the model's."""
+    stateless = {"store": False, "include": ["reasoning.encrypted_content"]}
+    r = client.responses.create(
+        model="gpt-oss",
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        max_output_tokens=60,
+        **stateless,
+    )
+    reasoning, call = r.output
+    sealed = reasoning.encrypted_content
+    assert sealed and "Look it up." not in sealed
+    replay = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": sealed},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
+    ]
+    follow = client.responses.create(
+        model="gpt-oss", input=replay, tools=[WEATHER], max_output_tokens=60, **stateless
+    )
+    assert "analysis<|message|>Look it up.<|end|>" in harmony_engine.prompts[-1]
+    assert follow.output_text == "Sunny, 18C."
+    forged = dict(replay[1], encrypted_content=sealed[:-8] + "AAAAAAAA")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="gpt-oss", input=[replay[0], forged, *replay[2:]], tools=[WEATHER]
+        )
+    assert (
+        e.value.code == "invalid_encrypted_content"
+        and e.value.param == "input[1].encrypted_content"
+    )

@@ -182,3 +182,16 @@ def test_a_lost_connection_is_replaced_on_the_next_statement(fresh_postgres):
         keys.has_keys()
     key, secret = keys.create("after", Plan())
     assert keys.lookup(secret).id == key.id
+
+
+def test_sealed_text_opens_on_every_server_of_the_database_for_its_owner(database):
+    from expresslane.server.errors import APIError
+    from expresslane.server.sealing import Sealer
+
+    one, two = Sealer.of_database(connect(database)), Sealer.of_database(connect(database))
+    token = one.seal("key:alice", "thought")
+    assert two.open("key:alice", token, "input[0]") == "thought"  # one key per database
+    for owner, bad in (("key:bob", token), ("key:alice", token[:-4] + "AAAA")):
+        with pytest.raises(APIError) as e:
+            two.open(owner, bad, "input[0].encrypted_content")
+        assert e.value.code == "invalid_encrypted_content"

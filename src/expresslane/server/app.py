@@ -42,6 +42,7 @@ from expresslane.server.pages import cors_options, install_pages
 from expresslane.server.reasoning import ReasoningParser
 from expresslane.server.reasoning_parsers import detect_reasoning_parser, get_reasoning_parser
 from expresslane.server.request_log import RequestLog
+from expresslane.server.sealing import Sealer
 from expresslane.server.settings import ServerSettings
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.store import ResponseStore
@@ -118,6 +119,7 @@ def _server_state(engine: ServingEngine, settings: ServerSettings) -> ServerStat
         tool_parser=_tool_parser(settings, engine.tokenizer),
         model_aliases=aliases,
         reasoning_parser=_reasoning_parser(settings, engine.tokenizer),
+        sealer=Sealer.of_database(accounts.keys.db),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from expresslane.errors import ExpresslaneError
@@ -114,12 +115,16 @@ def _add_call(messages: list[dict], call_id: str, name: str, arguments: str) -> 
 
 
 def responses_input(
-    input: str | list[dict], context: list[dict], param: str = "input"
+    input: str | list[dict],
+    context: list[dict],
+    param: str = "input",
+    unseal: Callable[[str, str], str] | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Validate Responses input; return (input items as stored/listed, template messages).
 
     `context` holds the earlier conversation (from previous_response_id), used to check that
-    every function_call_output answers a known call."""
+    every function_call_output answers a known call; `unseal(token, param)` opens a reasoning
+    item's `encrypted_content` (`sealing.py`)."""
     if isinstance(input, str) and input:
         input = [{"type": "message", "role": "user", "content": input}]
     if not input:
@@ -138,7 +143,7 @@ def responses_input(
             raise invalid(f"'{p}' must be an object (an input item).", param=p, code="invalid_type")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "reasoning":
-            thinking = _reasoning_text(item)  # the next assistant turn's
+            thinking = _reasoning_text(item, p, unseal)  # the next assistant turn's
             continue
         read = _INPUT_ITEMS.get(kind)
         if read is None:
@@ -155,10 +160,16 @@ def responses_input(
     return items, messages
 
 
-def _reasoning_text(item: dict) -> str:
-    """A replayed reasoning item's text (its reasoning_text parts; plain text only)."""
+def _reasoning_text(item: dict, p: str, unseal: Callable[[str, str], str] | None) -> str:
+    """A replayed reasoning item's text: sealed in its `encrypted_content`, or its
+    reasoning_text parts (plain text only)."""
+    sealed = item.get("encrypted_content")
+    if sealed is not None:
+        if not isinstance(sealed, str) or unseal is None:
+            raise invalid(f"'{p}.encrypted_content' must be a string.", param=p)
+        return unseal(sealed, f"{p}.encrypted_content")
     parts = item.get("content") or []
-    return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+    return "".join(part.get("text", "") for part in parts if isinstance(part, dict))
 
 
 def _input_message(item: dict, p: str, messages: list[dict], names: dict) -> dict:

@@ -10,8 +10,15 @@ from expresslane.server.prompt import new_id
 
 
 class ReasoningItem:
-    def __init__(self, output: list[dict], emit: Callable[[dict], None]):
+    def __init__(
+        self,
+        output: list[dict],
+        emit: Callable[[dict], None],
+        seal: Callable[[str], str] | None = None,
+    ):
+        """`seal`: its text comes back sealed in `encrypted_content` too (`sealing.py`)."""
         self.emit = emit
+        self.seal = seal
         self.part = {"type": "reasoning_text", "text": ""}
         self.item = {
             "id": new_id("rs"),
@@ -40,6 +47,8 @@ class ReasoningItem:
         text = self.part["text"]
         self.emit({"type": "response.reasoning_text.done", **self._where(), "text": text})
         self._part_event("response.content_part.done")
+        if self.seal is not None:
+            self.item["encrypted_content"] = self.seal(text)
         self.item["status"] = status
         self.emit(
             {"type": "response.output_item.done", "output_index": self.index, "item": self.item}

@@ -115,6 +115,7 @@ class ResponseAssembler:
         max_calls: int | None = None,
         splitter: ReasoningStreamer | None = None,
         call_item: Callable[[ToolCall, str], dict] | None = None,
+        seal: Callable[[str], str] | None = None,
     ):
         self.r = response
         self.splitter = splitter or ReasoningParser().streamer()
@@ -131,6 +132,7 @@ class ResponseAssembler:
         self.text = ""  # the visible output text
         self.calls: list[ToolCall] = []
         self.call_item = call_item or plain_call_item
+        self.seal = seal  # reasoning items come back sealed too (`include` asked for it)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -195,7 +197,7 @@ class ResponseAssembler:
     def _split(self, split: Split) -> None:
         if split.reasoning:
             if self.reasoning is None:
-                self.reasoning = ReasoningItem(self.r["output"], self.emit)
+                self.reasoning = ReasoningItem(self.r["output"], self.emit, self.seal)
             self.reasoning.add(split.reasoning)
             self.reasoning_text += split.reasoning
         content = self.streamer.feed(split.content) if self.streamer else split.content

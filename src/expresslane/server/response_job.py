@@ -41,6 +41,7 @@ from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.truncation import fit
 
+SEALED_INCLUDE = "reasoning.encrypted_content"
 log = logging.getLogger("expresslane.server")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -267,6 +268,13 @@ def resolve_previous(
     return stored.context
 
 
+def _sealing(state: ServerState, req: ResponseCreateRequest, owner: str):
+    """How reasoning comes back sealed, where `include` asks for it (else None)."""
+    if SEALED_INCLUDE not in (req.include or ()):
+        return None
+    return lambda text: state.sealer.seal(owner, text)
+
+
 def _with_logprobs(req: ResponseCreateRequest) -> bool:
     return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
 
@@ -318,7 +326,12 @@ async def prepare_request(
     counts with it."""
     state = admission.state
     context = resolve_previous(state, req.previous_response_id, local, owner=admission.ticket.owner)
-    items, new_messages = responses_input(_input(req), context)
+    owner = admission.ticket.owner
+
+    def unseal(token: str, param: str) -> str:
+        return state.sealer.open(owner, token, param)
+
+    items, new_messages = responses_input(_input(req), context, unseal=unseal)
     setup, choice, tools_offered = _tool_setup(state, req)
     tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -410,6 +423,7 @@ async def create_job(
         req.max_tool_calls,
         state.reasoning_parser.streamer(),
         p.offered.call_item,
+        _sealing(state, req, admitted.ticket.owner),
     )
     job = ResponseJob(
         state, response, p.items, p.context, p.new_messages, gen, assembler, event_log, store

@@ -17,6 +17,7 @@ from expresslane.server.keys import ApiKey
 from expresslane.server.limits import check_chars, check_count, text_size
 from expresslane.server.metrics import ServerMetrics
 from expresslane.server.reasoning import ReasoningParser
+from expresslane.server.sealing import Sealer
 from expresslane.server.settings import ServerSettings
 from expresslane.server.store import ResponseStore
 from expresslane.server.tool_parsers import ToolParser
@@ -38,6 +39,7 @@ class ServerState:
     accounts: Accounts
     model_aliases: set[str] = field(default_factory=set)
     reasoning_parser: ReasoningParser = field(default_factory=ReasoningParser)
+    sealer: Sealer | None = None  # seals what clients send back unchanged (sealing.py)
     jobs: dict = field(default_factory=dict)  # response id -> ResponseJob (in flight/recent)
     created: int = field(default_factory=lambda: int(time.time()))
 
