@@ -8,6 +8,9 @@ key's policy), and Claude Code's CLI where it can run."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from datetime import datetime
 
 import anthropic
@@ -410,3 +413,52 @@ def test_a_tool_loop_replays_the_signed_thinking(harmony):
         **args, messages=[*turn, {"role": "user", "content": [result]}]
     )
     assert answer.content[0].thinking == "It is 18C." and _text(answer) == "Sunny, 18C."
+
+
+# -- Claude Code's CLI, headless, against the demo model --------------------------------------
+
+
+def _claude_code(root) -> str:
+    """Claude Code's CLI installed from npm under `root`, or a skip saying why it cannot be."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed")
+    view = ["npm", "view", "@anthropic-ai/claude-code", "version"]
+    if subprocess.run(view, capture_output=True, timeout=120).returncode != 0:
+        pytest.skip("the npm registry cannot be reached")
+    install = ["npm", "install", "--prefix", str(root), "--no-audit", "--no-fund"]
+    done = subprocess.run([*install, "@anthropic-ai/claude-code"], capture_output=True, timeout=600)
+    cli = root / "node_modules" / ".bin" / "claude"
+    if done.returncode != 0 or not cli.exists():
+        pytest.skip(f"@anthropic-ai/claude-code did not install: {done.stderr[-300:]!r}")
+    return str(cli)
+
+
+@pytest.mark.slow
+def test_claude_code_completes_a_turn_headless(tmp_path):
+    cli = _claude_code(tmp_path)
+    engine = AsyncEngine(LLMEngine(EngineConfig()))  # the demo model: a 2048-token context
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": "expresslane-demo",
+        "ANTHROPIC_SMALL_FAST_MODEL": "expresslane-demo",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "expresslane-demo",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",  # it asks for 32000 by default
+    }
+    args = ["-p", "--system-prompt", "Answer briefly.", "--tools", "", "--max-turns", "1"]
+    try:
+        with ServerThread(create_app(engine, ServerSettings(store_path=":memory:"))) as s:
+            env["ANTHROPIC_BASE_URL"] = s.url
+            run = [cli, *args, "--output-format", "json", "def add(a, b):"]
+            done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        engine.shutdown()
+    assert done.stdout, done.stderr
+    result = json.loads(done.stdout)
+    # the turn ran to its end with every request answered (the demo model may still write
+    # past the output limit, which Claude Code itself reports as an error)
+    assert result["subtype"] == "success" and result["api_error_status"] is None
+    assert result["num_turns"] == 1 and result["terminal_reason"] == "completed"
+    assert result["usage"]["output_tokens"] > 0 and result["usage"]["speed"] == "standard"
