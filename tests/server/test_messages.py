@@ -119,6 +119,12 @@ def test_count_tokens_is_the_prompt_of_the_real_request(claude, model_name):
     assert counted.input_tokens == _prompt_tokens(m.usage)
 
 
+def test_output_config_format_constrains_the_answer(claude, model_name):
+    fmt = {"format": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}}
+    m = create(claude, model=model_name, max_tokens=40, output_config=fmt)
+    assert m.stop_reason == "end_turn" and json.loads(_text(m)) in ("yes", "no")
+
+
 def _text(m) -> str:
     return "".join(b.text for b in m.content if b.type == "text")
 
