@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
-from expresslane.lanes import LANE_NAMES, Lane, lane_for, place, queue_capacity, served
-from expresslane.promise import Stated, Verdict
+from expresslane.lanes import LANE_NAMES, Lane, lane_for, place, served
+from expresslane.promise import Stated
 from expresslane.server.database import connect
 from expresslane.server.errors import APIError
-from expresslane.server.in_flight import InFlight
+from expresslane.server.in_flight import InFlight, QueueLimits
+from expresslane.server.judging import judge, no_refund
 from expresslane.server.keys import OPEN_ACCESS, OPERATOR_KEY_ID, ApiKey, KeyStore, Plan
 from expresslane.server.metering import Ledger, LedgerRow, Prices, month_start
 from expresslane.server.ratelimit import RateLimiter, go_duration
@@ -79,25 +79,6 @@ class Ticket:
             if seconds is not None:
                 keep = min if name in ("queue_s", "ttft_s") else max  # the first, the longest
                 self.usage[name] = keep(self.usage.get(name, seconds), seconds)
-
-
-@dataclass
-class QueueLimits:
-    """How much work may wait: per lane beyond its max batch (None: as many again as its max
-    batch) and per key (running or waiting, all tiers; None: unbounded). Within a lane one key
-    may hold its `key_share` of the lane's queue."""
-
-    per_lane: int | None = None
-    per_key: int | None = 256
-
-    def lane_capacity(self, lane: Lane) -> int:
-        return queue_capacity(lane, self.per_lane)
-
-    def key_capacity(self, lane: Lane, shared: bool = True) -> int:
-        """Generations of one key a lane may hold, running or waiting (`shared`: with other
-        keys; else all of it)."""
-        share = lane.key_share if shared else 1.0
-        return max(1, math.ceil(share * self.lane_capacity(lane)))
 
 
 class Accounts:
@@ -196,19 +177,11 @@ class Accounts:
         if not d.allowed:
             raise self._limited(lane, limits, d, generations, 0)
         ticket = Ticket(key, asked, lane, headers=d.headers, held=generations)
-        ticket.no_refund = self._no_refund(key, self.lanes[lane], generations, placed.queued)
+        share = 1.0 if key.id in ONE_TENANT else self.lanes[lane].key_share
+        held = self.in_flight.key_lane(key.id, lane)
+        ticket.no_refund = no_refund(self.lanes[lane], share, held, generations, placed.queued)
         self.in_flight.add(key.id, lane, generations)
         return ticket
-
-    def _no_refund(self, key: ApiKey, lane: Lane, generations: int, queued: bool) -> str | None:
-        """Why a first token this request waits for is on its own account: with it, its key
-        holds more than the running slots it may have in the lane (`Lane.key_share`), or its
-        policy queued it where the lane had no room."""
-        share = 1.0 if key.id in ONE_TENANT else lane.key_share
-        slots = max(1, math.ceil(share * lane.max_batch))
-        if self.in_flight.key_lane(key.id, lane.name) + generations > slots:
-            return "own_backlog"
-        return "queued_without_room" if queued else None
 
     def _check_quota(self, key: ApiKey, lane: str) -> None:
         monthly = key.plan.monthly_tokens
@@ -354,31 +327,10 @@ class Accounts:
         ids = (request_id, ticket.key.id, ticket.tier_requested, ticket.lane, model)
         row = self._row(*ids, status, *tokens, timings)
         if ticket.promise is not None and status in ("stop", "length"):
-            self._judge(row, ticket, timings)
+            default = (self.prices, self.lanes["default"].price_multiplier)
+            judge(row, ticket.promise, timings, ticket.no_refund, default)
         self.ledger.record_once(row)
         return row
-
-    def _judge(self, row: LedgerRow, ticket: Ticket, timings: dict[str, float | None]) -> None:
-        """Record the promise and what was delivered on the row, and why it missed; a request
-        that missed its promise is billed at the default lane's price, the difference recorded
-        as refund, unless it missed its first token waiting on its own account (`no_refund`)."""
-        promise: Stated = ticket.promise
-        verdict: Verdict = promise.judge(
-            row.input_tokens, row.output_tokens, timings.get("ttft_s"), timings.get("decode_s")
-        )
-        row.promised_tokens_per_s = promise.tokens_per_s
-        row.promised_ttft_s = promise.ttft_allowed(row.input_tokens)
-        row.delivered_tokens_per_s = verdict.delivered_tokens_per_s
-        row.promise_kept = int(verdict.kept)
-        row.missed = verdict.missed
-        if verdict.missed == "ttft" and ticket.no_refund is not None:
-            row.refund_withheld = ticket.no_refund
-        elif not verdict.kept:
-            default = self.lanes["default"].price_multiplier
-            tokens = (row.input_tokens, row.cached_tokens, row.output_tokens)
-            billed = self.prices.cost(*tokens, default)
-            row.refund = max(0.0, row.cost - billed)
-            row.cost -= row.refund
 
     def _row(
         self,

@@ -31,10 +31,11 @@ from expresslane.server import (
     tokenize,
     websocket,
 )
-from expresslane.server.accounts import Accounts, QueueLimits
+from expresslane.server.accounts import Accounts
 from expresslane.server.auth import AuthMiddleware, operator_key
 from expresslane.server.durability import recover, sweep
 from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
+from expresslane.server.in_flight import QueueLimits
 from expresslane.server.lifecycle import DrainGate, Lifecycle, interrupt_all, readiness
 from expresslane.server.metering import Prices
 from expresslane.server.metrics import ServerMetrics

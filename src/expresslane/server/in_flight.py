@@ -1,11 +1,15 @@
 """`InFlight`: the generations a server admitted and that have not ended, counted per lane, per
-key, and per key within each lane: what the queue bounds and a key's lane share are checked
-against (`accounts.py`). A generation counts from admission (before its prompt is tokenized)
-until its ledger row is written, so concurrent requests see each other's reservations."""
+key, and per key within each lane; `QueueLimits`: the bounds `accounts.py` checks them against.
+A generation counts from admission (before its prompt is tokenized) until its ledger row is
+written, so concurrent requests see each other's reservations."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from dataclasses import dataclass
+
+from expresslane.lanes import Lane, queue_capacity
 
 
 class InFlight:
@@ -39,3 +43,22 @@ class InFlight:
                 counter[name] = left
             else:
                 del counter[name]
+
+
+@dataclass
+class QueueLimits:
+    """How much work may wait: per lane beyond its max batch (None: as many again as its max
+    batch) and per key (running or waiting, all tiers; None: unbounded). Within a lane one key
+    may hold its `key_share` of the lane's queue."""
+
+    per_lane: int | None = None
+    per_key: int | None = 256
+
+    def lane_capacity(self, lane: Lane) -> int:
+        return queue_capacity(lane, self.per_lane)
+
+    def key_capacity(self, lane: Lane, shared: bool = True) -> int:
+        """Generations of one key a lane may hold, running or waiting (`shared`: with other
+        keys; else all of it)."""
+        share = lane.key_share if shared else 1.0
+        return max(1, math.ceil(share * self.lane_capacity(lane)))

@@ -33,15 +33,14 @@ from expresslane.server.prompt import (
 )
 from expresslane.server.reasoning import requested_effort
 from expresslane.server.response_builder import ResponseAssembler, base_response, usage
-from expresslane.server.response_tools import Offered, flat_name, offered
-from expresslane.server.schemas import ResponseCreateRequest, ToolChoiceFunction
+from expresslane.server.response_tools import Offered, echoed_tools, responses_tool_setup
+from expresslane.server.schemas import ResponseCreateRequest
 from expresslane.server.state import ServerState
 from expresslane.server.store import Origin
-from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 from expresslane.server.tool_parsers import ToolParser
 from expresslane.server.truncation import fit
 
-SEALED_INCLUDE = "reasoning.encrypted_content"
+SEALED = "reasoning.encrypted_content"  # the `include` that seals reasoning (sealing.py)
 log = logging.getLogger("expresslane.server")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -213,35 +212,6 @@ class ResponseJob:
             await asyncio.wait({self.task})
 
 
-def _tool_setup(state: ServerState, req: ResponseCreateRequest) -> tuple[ToolSetup, Any, Offered]:
-    """The request's tools resolved into what the model is offered (`response_tools.py`), and
-    its tool_choice as the response echoes it."""
-    tools = offered(echoed_tools(req))
-    choice, forced = req.tool_choice, None
-    if isinstance(choice, ToolChoiceFunction):
-        choice, forced = None, flat_name(choice.name, choice.namespace)
-    elif choice is not None and not isinstance(choice, str):
-        choice = None  # a hosted tool: none runs here, so the model answers
-    fmt = req.text.format if req.text is not None else None
-    content = output_schema(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
-    setup = tool_setup(
-        state,
-        tools.functions,
-        choice,
-        forced,
-        parallel=req.parallel_tool_calls is not False,
-        content=content,
-        param="tool_choice.name",
-        content_param="text.format",
-    )
-    echo = req.tool_choice or "auto"
-    return setup, echo if isinstance(echo, str) else echo.model_dump(exclude_none=True), tools
-
-
-def echoed_tools(req: ResponseCreateRequest) -> list[dict]:
-    return [t.model_dump(exclude_none=True) for t in req.tools or []]
-
-
 def resolve_previous(
     state: ServerState,
     rid: str | None,
@@ -266,13 +236,6 @@ def resolve_previous(
             code="previous_response_not_found",
         )
     return stored.context
-
-
-def _sealing(state: ServerState, req: ResponseCreateRequest, owner: str):
-    """How reasoning comes back sealed, where `include` asks for it (else None)."""
-    if SEALED_INCLUDE not in (req.include or ()):
-        return None
-    return lambda text: state.sealer.seal(owner, text)
 
 
 def _with_logprobs(req: ResponseCreateRequest) -> bool:
@@ -332,7 +295,7 @@ async def prepare_request(
         return state.sealer.open(owner, token, param)
 
     items, new_messages = responses_input(_input(req), context, unseal=unseal)
-    setup, choice, tools_offered = _tool_setup(state, req)
+    setup, choice, tools_offered = responses_tool_setup(state, req)
     tools, parser = setup.tools, setup.parser
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     params = _sampling(req, setup, generate)
@@ -423,7 +386,7 @@ async def create_job(
         req.max_tool_calls,
         state.reasoning_parser.streamer(),
         p.offered.call_item,
-        _sealing(state, req, admitted.ticket.owner),
+        state.sealer.sealing(admitted.ticket.owner) if SEALED in (req.include or ()) else None,
     )
     job = ResponseJob(
         state, response, p.items, p.context, p.new_messages, gen, assembler, event_log, store

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from expresslane.server.errors import invalid
 from expresslane.server.prompt import new_id
 from expresslane.server.response_builder import plain_call_item
+from expresslane.server.schemas import ResponseCreateRequest, ToolChoiceFunction
+from expresslane.server.state import ServerState
+from expresslane.server.tool_choice import ToolSetup, output_schema, tool_setup
 from expresslane.server.tool_parsers import ToolCall
 
 
@@ -105,3 +109,34 @@ def custom_input(arguments: str) -> str:
     if isinstance(value, dict) and isinstance(value.get("input"), str):
         return value["input"]
     return arguments
+
+
+def responses_tool_setup(
+    state: ServerState, req: ResponseCreateRequest
+) -> tuple[ToolSetup, Any, Offered]:
+    """The request's tools resolved into what the model is offered (`response_tools.py`), and
+    its tool_choice as the response echoes it."""
+    tools = offered(echoed_tools(req))
+    choice, forced = req.tool_choice, None
+    if isinstance(choice, ToolChoiceFunction):
+        choice, forced = None, flat_name(choice.name, choice.namespace)
+    elif choice is not None and not isinstance(choice, str):
+        choice = None  # a hosted tool: none runs here, so the model answers
+    fmt = req.text.format if req.text is not None else None
+    content = output_schema(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
+    setup = tool_setup(
+        state,
+        tools.functions,
+        choice,
+        forced,
+        parallel=req.parallel_tool_calls is not False,
+        content=content,
+        param="tool_choice.name",
+        content_param="text.format",
+    )
+    echo = req.tool_choice or "auto"
+    return setup, echo if isinstance(echo, str) else echo.model_dump(exclude_none=True), tools
+
+
+def echoed_tools(req: ResponseCreateRequest) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in req.tools or []]

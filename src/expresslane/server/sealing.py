@@ -11,6 +11,7 @@ shares the accounts database opens what another sealed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from cryptography.fernet import Fernet, InvalidToken
 
@@ -44,6 +45,10 @@ class Sealer:
     def seal(self, owner: str, text: str) -> str:
         body = json.dumps({"owner": owner, "text": text}, ensure_ascii=False)
         return self._fernet.encrypt(body.encode()).decode()
+
+    def sealing(self, owner: str) -> Callable[[str], str]:
+        """`seal` for one owner."""
+        return lambda text: self.seal(owner, text)
 
     def open(self, owner: str, token: str, param: str) -> str:
         """The text sealed for `owner`, or a 400 naming `param`."""

@@ -49,17 +49,11 @@ def join_store(port: int, size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, size, False, timeout=RENDEZVOUS_TIMEOUT)
 
 
-def gloo_options() -> dist.ProcessGroupGloo._Options:
-    """Gloo's options: `COLLECTIVE_TIMEOUT`, sockets on loopback unless configured."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = COLLECTIVE_TIMEOUT
-    interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if interface:
-        device = dist.ProcessGroupGloo.create_device(interface=interface)
-    else:
-        device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    options._devices = [device]
-    return options
+def use_loopback() -> None:
+    """Gloo's sockets on the loopback interface, unless `GLOO_SOCKET_IFNAME` names one (gloo
+    reads it when it makes its device)."""
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # Linux's loopback (the ranks run on Linux)
 
 
 class Collectives:
@@ -70,7 +64,8 @@ class Collectives:
         if device.type == "cuda":  # untested here; NCCL's own timeout applies
             self.group = dist.ProcessGroupNCCL(store, rank, size)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, gloo_options())
+            use_loopback()
+            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         # what a failed collective raises, made from the CollectiveError (rank 0's group's)
         self.on_error: Callable[[CollectiveError], Exception] | None = None
 
