@@ -28,7 +28,7 @@ from expresslane.server.messages_output import MessageBuilder, message_id
 from expresslane.server.messages_prompt import function_tools, messages_prompt, system_text
 from expresslane.server.messages_schema import CountTokensRequest, MessagesJob, MessagesRequest
 from expresslane.server.messages_stream import Reply, message_events
-from expresslane.server.messages_thinking import check_signature, effort, shows_thinking, sign
+from expresslane.server.messages_thinking import effort, shows_thinking, signature_checker
 from expresslane.server.sse import EventStream
 from expresslane.server.state import ServerState, get_state
 from expresslane.server.tool_choice import ToolSetup, tool_setup
@@ -78,9 +78,10 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     chars = _check_size(state, body)
     tokenizer = state.tokenizer
     level = effort(body)
+    check = signature_checker(state.sealer, request.state.api_key.owner)
 
     def count() -> int:
-        prompt = messages_prompt(tokenizer, body, level, check_signature)
+        prompt = messages_prompt(tokenizer, body, level, check)
         return len(tokenizer.encode(prompt, False))
 
     return {"input_tokens": await off_loop(count, chars)}
@@ -161,8 +162,10 @@ async def _build(admission: Admission, job: MessagesJob) -> Built:
     state, body = admission.state, job.request
     setup, parallel = _setup(state, body)
     level = effort(body)
+    owner = admission.ticket.owner
+    check = signature_checker(state.sealer, owner)
     prompt = await off_loop(
-        lambda: messages_prompt(state.tokenizer, body, level, check_signature), admission.chars
+        lambda: messages_prompt(state.tokenizer, body, level, check), admission.chars
     )
     params = make_params(
         admission.api,
@@ -182,7 +185,8 @@ async def _build(admission: Admission, job: MessagesJob) -> Built:
         parallel,
         state.reasoning_parser,
     )
-    builder = MessageBuilder(choice, sign if shows_thinking(body) else None)
+    sign = state.sealer.signer(owner) if shows_thinking(body) else None
+    builder = MessageBuilder(choice, sign)
     return Built(reqs, 1, (mid, builder))
 
 
