@@ -15,6 +15,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from expresslane.errors import ExpresslaneError
@@ -45,6 +46,25 @@ _TYPES = {
 
 # Set by the route: maps a response's `x-ratelimit-*` headers to Anthropic's names.
 HeaderMap = Callable[[dict[str, str]], dict[str, str]]
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """The body of every error the Messages routes answer."""
+
+    type: str = "error"
+    error: AnthropicErrorDetail
+
+
+# What the Messages routes answer besides success, for the OpenAPI document.
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": AnthropicErrorBody, "description": f"`{kind}`"}
+    for status, kind in _TYPES.items()
+}
 
 
 def error_type(status: int) -> str:

@@ -32,6 +32,7 @@ from expresslane.server import (
     websocket,
 )
 from expresslane.server.accounts import Accounts
+from expresslane.server.anthropic_errors import ANTHROPIC_ERROR_RESPONSES
 from expresslane.server.auth import AuthMiddleware, operator_key
 from expresslane.server.durability import recover, sweep
 from expresslane.server.errors import ERROR_RESPONSES, BodySizeLimit, install_error_handlers
@@ -92,7 +93,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     _add_middleware(app, settings, accounts, lifecycle)
     for module in (responses, websocket, chat, completions, tokenize, tiers):
         app.include_router(module.router, responses=ERROR_RESPONSES)
-    app.include_router(messages.router)  # its errors are in Anthropic's shape
+    app.include_router(messages.router, responses=ANTHROPIC_ERROR_RESPONSES)
     app.include_router(_models, responses=ERROR_RESPONSES)
     app.include_router(_operations)
     install_pages(app)
