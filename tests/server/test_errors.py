@@ -61,6 +61,7 @@ def test_malformed_json(http):
             "messages[0].role",
         ),
         ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "content": 5}]}, "input[0].content"),
     ],
 )
 def test_wrong_types(http, model_name, path, body, param):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 from datetime import datetime
 
@@ -492,3 +493,23 @@ def test_claude_code_completes_a_turn_headless(tmp_path):
     assert result["subtype"] == "success" and result["api_error_status"] is None
     assert result["num_turns"] == 1 and result["terminal_reason"] == "completed"
     assert result["usage"]["output_tokens"] > 0 and result["usage"]["speed"] == "standard"
+
+
+def test_errors_before_the_route_are_in_anthropics_shape_too(server):
+    """The body-size check and unknown paths answer before the route runs; on the Messages
+    paths they speak Anthropic's shape, elsewhere OpenAI's."""
+    huge = str(100 * 2**20)
+    for path, shape in (("/v1/messages", "anthropic"), ("/v1/chat/completions", "openai")):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {huge}\r\n\r\n"
+            sock.sendall(head.encode())
+            answer = sock.makefile("rb").read()
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert b" 413 " in status.split(b"\r\n")[0]
+        error = json.loads(body)
+        if shape == "anthropic":
+            assert error["type"] == "error" and error["error"]["type"] == "request_too_large"
+        else:
+            assert error["error"]["code"] == "request_too_large"
+    r = httpx.post(server.url + "/v1/messages/nope", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

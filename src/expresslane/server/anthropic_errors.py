@@ -22,6 +22,7 @@ from expresslane.errors import ExpresslaneError
 from expresslane.server.body import StrictJSONRoute
 from expresslane.server.database import DatabaseUnavailable
 from expresslane.server.errors import (
+    PATH_SHAPES,
     APIError,
     database_unavailable,
     from_engine_error,
@@ -86,6 +87,9 @@ def error_response(error: APIError, headers: HeaderMap | None = None) -> JSONRes
     return JSONResponse(
         error_body(error), status_code=error.status, headers={**error.headers, **extra}
     )
+
+
+PATH_SHAPES[PATH] = error_response  # what answers before the route: 413, 404, 405, 503
 
 
 def as_api_error(exc: Exception) -> APIError:

@@ -7,10 +7,11 @@ and unexpected exceptions (500, logged, never a traceback in the body) all go th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -96,6 +97,19 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# Paths whose errors are answered in another API's shape: prefix -> the response of an error
+# (`anthropic_errors.py` adds /v1/messages), for what answers before a route runs.
+PATH_SHAPES: dict[str, Callable[[APIError], Response]] = {}
+
+
+def response_for(path: str, error: APIError) -> Response:
+    """`error` as the API at `path` writes errors."""
+    for prefix, shape in PATH_SHAPES.items():
+        if path.startswith(prefix):
+            return shape(error)
+    return error.response()
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -265,7 +279,7 @@ def install_error_handlers(app: FastAPI) -> None:
             err = APIError(413, str(exc.detail), code="request_too_large")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        return err.response()
+        return response_for(request.url.path, err)
 
     @app.exception_handler(DatabaseUnavailable)
     async def _database(request: Request, exc: DatabaseUnavailable):
@@ -301,7 +315,7 @@ class BodySizeLimit:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 err = APIError(413, BodyTooLarge(self.limit).detail, code="request_too_large")
-                return await err.response()(scope, receive, send)
+                return await response_for(scope["path"], err)(scope, receive, send)
         seen = 0
 
         async def counted() -> Message:

@@ -20,10 +20,10 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from expresslane.server.durability import SHUT_DOWN
-from expresslane.server.errors import BUSY_HEADERS, APIError
+from expresslane.server.errors import BUSY_HEADERS, APIError, response_for
 from expresslane.server.state import ServerState
 
-NEW_WORK = frozenset({"/v1/responses", "/v1/chat/completions", "/v1/completions"})
+NEW_WORK = frozenset({"/v1/responses", "/v1/chat/completions", "/v1/completions", "/v1/messages"})
 POLL_S = 0.05
 
 
@@ -83,10 +83,10 @@ class DrainGate:
             return
         new_work = scope["method"] == "POST" and scope["path"].rstrip("/") in NEW_WORK
         if self.lifecycle.draining and new_work:
-            await refusal().response()(scope, receive, send)
+            await response_for(scope["path"], refusal())(scope, receive, send)
             return
         if new_work and self.lifecycle.saturated():
-            await shed().response()(scope, receive, send)
+            await response_for(scope["path"], shed())(scope, receive, send)
             return
         self.lifecycle.active += 1
         try:

@@ -169,6 +169,12 @@ def _reasoning_text(item: dict, p: str, unseal: Callable[[str, str], str] | None
             raise invalid(f"'{p}.encrypted_content' must be a string.", param=p)
         return unseal(sealed, f"{p}.encrypted_content")
     parts = item.get("content") or []
+    if not isinstance(parts, list):
+        raise invalid(
+            f"'{p}.content' must be a list of reasoning_text parts.",
+            param=f"{p}.content",
+            code="invalid_type",
+        )
     return "".join(part.get("text", "") for part in parts if isinstance(part, dict))
 
 
