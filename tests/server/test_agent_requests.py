@@ -114,6 +114,7 @@ def test_a_custom_tool_call_carries_its_input_text(tool_client):
         tool_choice={"type": "custom", "name": "apply_patch"},
         max_output_tokens=MAX,
         store=False,
+        temperature=0,
     )
     (call,) = [o for o in r.output if o.type == "custom_tool_call"]
     assert call.name == "apply_patch" and re.fullmatch("[a-z]{1,3}", call.input)
@@ -125,6 +126,7 @@ def test_a_custom_tool_call_carries_its_input_text(tool_client):
         max_output_tokens=MAX,
         store=False,
         stream=True,
+        temperature=0,
     )
     events = list(stream)
     kinds = [e.type for e in events]

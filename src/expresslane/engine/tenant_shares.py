@@ -2,7 +2,7 @@
 that lane's waiting requests. In a lane with a `key_share` below 1, a tenant that holds its share
 (that fraction of the lane's max batch, at least one slot) starts no more, so another tenant's
 request always finds a slot within one request's time; the rest of its requests wait. Requests
-without a tenant (offline use, a server in open mode or with one `--api-key`) have no share."""
+without a tenant (offline use, a server in open mode, an operator's key) have no share."""
 
 from __future__ import annotations
 

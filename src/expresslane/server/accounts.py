@@ -38,7 +38,12 @@ from expresslane.server.shared_limits import SharedRateLimiter
 log = logging.getLogger("expresslane.server")
 # The key given with `serve --api-key` (as vLLM takes it): every tier, no limits.
 SERVER_KEY = ApiKey(OPERATOR_KEY_ID, "api-key", "", Plan(tiers=list(LANE_NAMES)), 0.0)
-ONE_TENANT = {SERVER_KEY.id, OPEN_ACCESS.id}  # keys with no lane shares: no one to share with
+
+
+def shares_lanes(key: ApiKey) -> bool:
+    """Whether a key's requests take a tenant's share of a lane (`Lane.key_share`): not in open
+    mode (no one to share with), nor an operator's (the house's own traffic)."""
+    return not (key.operator or key.id == OPEN_ACCESS.id)
 
 
 @dataclass
@@ -63,9 +68,9 @@ class Ticket:
 
     @property
     def tenant(self) -> str | None:
-        """Whose share of a lane it takes: its key's id, None on a one-tenant server (open
-        mode, or the one `--api-key`)."""
-        return None if self.key.id in ONE_TENANT else self.key.id
+        """Whose share of a lane it takes: its key's id, None where it takes none (open mode,
+        an operator's key: `shares_lanes`)."""
+        return self.key.id if shares_lanes(self.key) else None
 
     @property
     def regions(self) -> list[str] | None:
@@ -177,7 +182,7 @@ class Accounts:
         if not d.allowed:
             raise self._limited(lane, limits, d, generations, 0)
         ticket = Ticket(key, asked, lane, headers=d.headers, held=generations)
-        share = 1.0 if key.id in ONE_TENANT else self.lanes[lane].key_share
+        share = self.lanes[lane].key_share if shares_lanes(key) else 1.0
         held = self.in_flight.key_lane(key.id, lane)
         ticket.no_refund = no_refund(self.lanes[lane], share, held, generations, placed.queued)
         self.in_flight.add(key.id, lane, generations)
@@ -237,7 +242,7 @@ class Accounts:
                 "most {bound}; retry after the Retry-After delay.",
             ),
             (
-                self.queue_limits.key_capacity(lane, key.id not in ONE_TENANT),
+                self.queue_limits.key_capacity(lane, shares_lanes(key)),
                 self.in_flight.key_lane(key.id, tier),
                 "lane_share_exceeded",
                 f"This API key has {{used}} requests running or waiting in the '{tier}' tier, "
