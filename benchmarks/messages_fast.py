@@ -4,12 +4,13 @@ One `expresslane serve` (the demo model unless --model) with a fresh accounts fi
 "load" (default tier), "fast" and "fast2" (ultrafast allowed, `queue` policy), "reject" and
 "down" (ultrafast with `reject` and `downgrade` policies). Then:
 
-  1. `--streams` default-tier Messages streams of long outputs run for the whole test;
+  1. `--streams` default-tier streams of 512 tokens run for the whole test (chat, since the
+     Messages API has no `ignore_eos`; the lanes are shared);
   2. `--requests` `speed: "fast"` streamed requests one after another: each must say
      `usage.speed: "fast"` and carry the `anthropic-fast-*` headers, and its decode speed
      (client-side, from `content_block_delta` events, the first excluded) is compared with
      the lane's published promise (`/v1/tiers`): the floor per request, the median over all;
-  3. the fast lane filled by "fast" and "fast2" requests, then one more from "reject" (a 429 with
+  3. the fast lane filled by "fast" and "fast2" streams, then one more from "reject" (a 429 with
      `retry-after`, and how long it took) and one from "down" (`usage.speed: "standard"`).
 
     python benchmarks/messages_fast.py [--model FILE] [--streams 16] [--requests 8]
@@ -37,8 +38,8 @@ PROMPT = [{"role": "user", "content": "def parse_config(path):"}]
 def make_keys(db: str) -> dict[str, str]:
     plans = {
         "load": ["--tiers", "default"],
-        "fast": ["--tiers", "ultrafast,default", "--default-tier", "default"],
-        "fast2": ["--tiers", "ultrafast,default", "--default-tier", "default"],
+        "fast": ["--tiers", "ultrafast,default", "--tpm", "100000000"],
+        "fast2": ["--tiers", "ultrafast,default"],
         "reject": ["--tiers", "ultrafast,default", "--when-unavailable", "reject"],
         "down": ["--tiers", "ultrafast,default", "--when-unavailable", "downgrade"],
     }
@@ -57,7 +58,6 @@ def body(model: str, max_tokens: int, fast: bool) -> dict:
         "max_tokens": max_tokens,
         "messages": PROMPT,
         "stream": True,
-        "ignore_eos": True,
         **extra,
     }
 
@@ -68,6 +68,14 @@ async def message(http, url: str, key: str, payload: dict) -> dict:
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
     async with http.stream("POST", url + "/v1/messages", json=payload, headers=headers) as r:
         status, got = r.status_code, dict(r.headers)
+        if status != 200:
+            return {
+                "status": status,
+                "headers": got,
+                "usage": {},
+                "stamps": [],
+                "error": (await r.aread()).decode()[:300],
+            }
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -85,15 +93,35 @@ def decode_speed(stamps: list[float], tokens: int) -> float | None:
     return (tokens - 1) / (stamps[-1] - stamps[0])
 
 
+async def hold(http, url, key, model, tier: str, tokens: int) -> None:
+    """A long chat stream on `tier` that runs to `tokens` (the Messages API has no ignore_eos;
+    the lanes are the same whatever the API)."""
+    payload = {
+        "model": model,
+        "messages": PROMPT,
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "service_tier": tier,
+    }
+    headers = {"authorization": f"Bearer {key}"}
+    async with http.stream(
+        "POST", url + "/v1/chat/completions", json=payload, headers=headers
+    ) as r:
+        async for _ in r.aiter_lines():
+            pass
+
+
 async def load(http, url, key, model, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        await message(http, url, key, body(model, 512, fast=False))
+        await hold(http, url, key, model, "default", 512)
 
 
 async def run(args, url: str, keys: dict[str, str]) -> dict:
+    auth = {"authorization": f"Bearer {keys['fast']}"}
     async with httpx.AsyncClient(timeout=600) as http:
-        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
-        promise = await wait_promise(http, url)
+        model = (await http.get(url + "/v1/models", headers=auth)).json()["data"][0]["id"]
+        promise = await wait_promise(http, url, auth)
         stop = asyncio.Event()
         loaders = [
             asyncio.create_task(load(http, url, keys["load"], model, stop))
@@ -107,6 +135,7 @@ async def run(args, url: str, keys: dict[str, str]) -> dict:
             fast.append(
                 {
                     "status": got["status"],
+                    "error": got.get("error"),
                     "speed": got["usage"].get("speed"),
                     "tokens_per_s": decode_speed(got["stamps"], tokens),
                     "fast_headers": sorted(h for h in got["headers"] if "anthropic-fast" in h),
@@ -119,9 +148,9 @@ async def run(args, url: str, keys: dict[str, str]) -> dict:
     return {"promise": promise, "fast": fast, "past_capacity": full}
 
 
-async def wait_promise(http, url: str) -> dict:
+async def wait_promise(http, url: str, auth: dict) -> dict:
     for _ in range(1200):
-        tiers = (await http.get(url + "/v1/tiers")).json()["data"]
+        tiers = (await http.get(url + "/v1/tiers", headers=auth)).json()["data"]
         promise = next(t for t in tiers if t["id"] == "ultrafast").get("promise")
         if isinstance(promise, dict) and "tokens_per_s" in promise:
             return promise
@@ -133,9 +162,9 @@ async def past_capacity(http, url, keys, model) -> dict:
     """Fill the fast lane with long fast requests of two keys (one key runs at most half of
     its slots), then ask once more per policy."""
     holders = [
-        asyncio.create_task(message(http, url, keys[name], body(model, 2000, fast=True)))
+        asyncio.create_task(hold(http, url, keys[name], model, "ultrafast", 1500))
         for name in ("fast", "fast2")
-        for _ in range(3)
+        for _ in range(2)
     ]
     await asyncio.sleep(3)
     start = time.perf_counter()
@@ -159,7 +188,10 @@ def report(result: dict) -> None:
     speeds = [f["tokens_per_s"] for f in fast if f["tokens_per_s"]]
     floor = promise["floor_tokens_per_s"]
     print(f"promise: {promise['tokens_per_s']} tok/s at p{promise['percentile']}, floor {floor}")
-    print(f"fast requests: {len(fast)}; usage.speed {sorted({f['speed'] for f in fast})}")
+    print(f"fast requests: {len(fast)}; usage.speed {sorted({str(f['speed']) for f in fast})}")
+    if not speeds:
+        print("no fast request decoded:", fast[0])
+        return
     print(f"  tokens/s: median {statistics.median(speeds):.1f}, min {min(speeds):.1f}")
     print(f"  at or above the floor: {sum(s >= floor for s in speeds)}/{len(speeds)}")
     print(f"  headers: {fast[0]['fast_headers']}")

@@ -1,6 +1,6 @@
 """The Messages API on a real instruct model (SmolLM2-135M-Instruct) through the official
 `anthropic` SDK: a fact, streamed equal to plain, a forced tool_use valid against its schema in
-the fast and standard lanes, a tool loop, count_tokens."""
+every lane, a tool loop, count_tokens."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_a_fact_streamed_and_plain(smol):
     assert counted.input_tokens == used.input_tokens + used.cache_read_input_tokens
 
 
-@pytest.mark.parametrize("speed", ["fast", None])
+@pytest.mark.parametrize("speed", ["fast", None, "flex"])
 def test_a_forced_tool_use_then_its_result(smol, speed):
-    extra = {"speed": speed} if speed else {}
+    extra = {"service_tier": "flex"} if speed == "flex" else {"speed": speed} if speed else {}
     m = smol.messages.create(
         model=MODEL,
         max_tokens=64,
@@ -78,7 +78,7 @@ def test_a_forced_tool_use_then_its_result(smol, speed):
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER["input_schema"])
-    assert m.usage.speed == ("fast" if speed else "standard")
+    assert m.usage.speed == ("fast" if speed == "fast" else "standard")
     result = {"type": "tool_result", "tool_use_id": use.id, "content": "18C and sunny"}
     follow = smol.messages.create(
         model=MODEL,
