@@ -114,8 +114,9 @@ def custom_input(arguments: str) -> str:
 def responses_tool_setup(
     state: ServerState, req: ResponseCreateRequest
 ) -> tuple[ToolSetup, Any, Offered]:
-    """The request's tools resolved into what the model is offered (`response_tools.py`), and
-    its tool_choice as the response echoes it."""
+    """The request's tools resolved into what the model is offered (`offered`) and the parser
+    and grammar of its calls (`tool_choice.py`), and its tool_choice as the response echoes
+    it."""
     tools = offered(echoed_tools(req))
     choice, forced = req.tool_choice, None
     if isinstance(choice, ToolChoiceFunction):
