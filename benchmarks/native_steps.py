@@ -6,8 +6,8 @@ whatever else is in the step. This measures what that costs or saves, side by si
 process:
 
 - linears: the dot-product kernel against oneDNN's bf16 matmul (float32 activations cast to
-  bf16, output cast back: the Python layers' larger batches before session 15), the model's
-  four layer shapes at 1-512 rows;
+  bf16, output cast back: the Python layers' larger batches before the native step stack),
+  the model's four layer shapes at 1-512 rows;
 - prompts: time to first token of one prompt of 128-2000 random tokens, every step native
   against the Python layers (SDPA attention, torch norms) with the same linears;
 - batches: throughput of 128-token prompts and 64 new tokens each at batch 16, 32 and 64,

@@ -248,3 +248,16 @@ def tool_server(tool_engine):
 @pytest.fixture(scope="session")
 def tool_client(tool_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="test", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_hf):
+    """A server on SmolLM2-135M-Instruct, served as "smollm2" (real model tests, any API)."""
+    config = EngineConfig(model=str(smollm2_hf), calibrate=False, num_kv_blocks=512, seed=0)
+    engine = AsyncEngine(LLMEngine(config))
+    try:
+        settings = ServerSettings(store_path=":memory:", served_model_name="smollm2")
+        with ServerThread(create_app(engine, settings)) as s:
+            yield s
+    finally:
+        engine.shutdown()

@@ -8,11 +8,6 @@ import anthropic
 import jsonschema
 import pytest
 
-from expresslane.server.app import create_app
-from expresslane.server.settings import ServerSettings
-
-from .conftest import ServerThread
-
 MODEL = "smollm2"
 GREEDY = {"temperature": 0}
 WEATHER = {
@@ -32,19 +27,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_hf) -> anthropic.Anthropic:
-    from expresslane.config import EngineConfig
-    from expresslane.engine.async_engine import AsyncEngine
-    from expresslane.engine.engine import LLMEngine
-
-    config = EngineConfig(model=str(smollm2_hf), calibrate=False, num_kv_blocks=512, seed=0)
-    engine = AsyncEngine(LLMEngine(config))
-    try:
-        settings = ServerSettings(store_path=":memory:", served_model_name=MODEL)
-        with ServerThread(create_app(engine, settings)) as s:
-            yield anthropic.Anthropic(base_url=s.url, api_key="test", max_retries=0)
-    finally:
-        engine.shutdown()
+def smol(smollm2_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=smollm2_server.url, api_key="test", max_retries=0)
 
 
 def test_a_fact_streamed_and_plain(smol):

@@ -11,11 +11,6 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from expresslane.server.app import create_app
-from expresslane.server.settings import ServerSettings
-
-from .conftest import ServerThread
-
 MODEL = "smollm2"
 WEATHER = {
     "name": "get_weather",
@@ -51,20 +46,9 @@ class City(BaseModel):
     population: int
 
 
-@pytest.fixture(scope="session")
-def smol(smollm2_hf) -> openai.OpenAI:
-    from expresslane.config import EngineConfig
-    from expresslane.engine.async_engine import AsyncEngine
-    from expresslane.engine.engine import LLMEngine
-
-    config = EngineConfig(model=str(smollm2_hf), calibrate=False, num_kv_blocks=512, seed=0)
-    engine = AsyncEngine(LLMEngine(config))
-    try:
-        settings = ServerSettings(store_path=":memory:", served_model_name=MODEL)
-        with ServerThread(create_app(engine, settings)) as s:
-            yield openai.OpenAI(base_url=s.url + "/v1", api_key="test", max_retries=0)
-    finally:
-        engine.shutdown()
+@pytest.fixture(scope="module")
+def smol(smollm2_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="test", max_retries=0)
 
 
 def _check_call(name: str, arguments: str) -> None:
