@@ -261,3 +261,21 @@ def smollm2_server(smollm2_hf):
             yield s
     finally:
         engine.shutdown()
+
+
+# Step costs the promise tests give the step-latency model (10 ms + 10 ms per sequence: two
+# ultrafast requests decode at 31.7 tokens/s each under "auto"), whatever the machine's speed.
+KNOWN_COSTS = [0.01, 0.01, 0.0, 0.0]
+
+
+def known_costs_engine(root: Path, lanes: dict) -> AsyncEngine:
+    """An engine on a tiny Llama with a long context, `lanes`, and `KNOWN_COSTS` kept while
+    serving (targets resolved from them, never refitted)."""
+    from ..conftest import make_checkpoint
+
+    model = make_checkpoint(root, "llama", max_position_embeddings=4096)
+    eng = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=1024, seed=0, lanes=lanes))
+    eng.step_model.set_costs(KNOWN_COSTS)
+    eng.step_model.refit_every = 10**9
+    eng.targets.resolve()
+    return AsyncEngine(eng, calibrate=False)

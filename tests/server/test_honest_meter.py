@@ -19,9 +19,6 @@ import httpx
 import openai
 import pytest
 
-from expresslane.config import EngineConfig
-from expresslane.engine.async_engine import AsyncEngine
-from expresslane.engine.engine import LLMEngine
 from expresslane.lanes import build_lanes
 from expresslane.promise import Stated
 from expresslane.server.accounts import Accounts
@@ -30,8 +27,7 @@ from expresslane.server.keys import ApiKey, Plan
 from expresslane.server.metering import Prices
 from expresslane.server.settings import ServerSettings
 
-from ..conftest import make_checkpoint
-from .conftest import ServerThread
+from .conftest import ServerThread, known_costs_engine
 from .test_accounts import ledger, run_cli
 
 # A promise any machine keeps: the slow reader's row must say kept.
@@ -42,7 +38,6 @@ LANES = {
         "promise": {"tokens_per_s": 0.01, "ttft_s": 1000.0},
     }
 }
-COSTS = [0.01, 0.01, 0.0, 0.0]
 FOREVER = {"ignore_eos": True}
 
 
@@ -63,13 +58,7 @@ def keys(db) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model = make_checkpoint(tmp_path_factory.mktemp("long"), "llama", max_position_embeddings=4096)
-    config = EngineConfig(model=str(model), num_kv_blocks=1024, seed=0, lanes=LANES)
-    eng = LLMEngine(config)
-    eng.step_model.set_costs(COSTS)
-    eng.step_model.refit_every = 10**9
-    eng.targets.resolve()
-    engine = AsyncEngine(eng, calibrate=False)
+    engine = known_costs_engine(tmp_path_factory.mktemp("long"), LANES)
     yield engine
     engine.shutdown()
 

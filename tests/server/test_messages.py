@@ -26,11 +26,10 @@ from expresslane.server.app import create_app
 from expresslane.server.keys import LOCAL_OWNER
 from expresslane.server.settings import ServerSettings
 
-from ..conftest import make_checkpoint
-from .conftest import ServerThread
+from .conftest import ServerThread, known_costs_engine
 from .harmony_model import train_harmony_model
 from .test_accounts import ledger, run_cli
-from .test_promise import COSTS, FOREVER, LANES
+from .test_promise import FOREVER, LANES
 
 GREEDY = {"temperature": 0}  # the SDK no longer types temperature: sent as an extra field
 HI = [{"role": "user", "content": "def add(a, b):"}]
@@ -248,12 +247,7 @@ def keys(db) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def fast_engine(tmp_path_factory):
-    model = make_checkpoint(tmp_path_factory.mktemp("long"), "llama", max_position_embeddings=4096)
-    eng = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=1024, seed=0, lanes=LANES))
-    eng.step_model.set_costs(COSTS)
-    eng.step_model.refit_every = 10**9  # keep the known costs while serving
-    eng.targets.resolve()
-    engine = AsyncEngine(eng, calibrate=False)
+    engine = known_costs_engine(tmp_path_factory.mktemp("long"), LANES)
     yield engine
     engine.shutdown()
 

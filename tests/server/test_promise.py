@@ -18,17 +18,13 @@ import openai
 import pytest
 
 from expresslane.cli import main as cli
-from expresslane.config import EngineConfig
 from expresslane.engine.async_engine import AsyncEngine
-from expresslane.engine.engine import LLMEngine
 from expresslane.server.app import create_app
 from expresslane.server.settings import ServerSettings
 
-from ..conftest import make_checkpoint
-from .conftest import ServerThread
+from .conftest import ServerThread, known_costs_engine
 from .test_accounts import ledger, run_cli
 
-COSTS = [0.01, 0.01, 0.0, 0.0]
 LANES = {
     "ultrafast": {
         "max_batch": 4,
@@ -63,14 +59,7 @@ def keys(db) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    # a context long enough that two streams outlast the test's checks on any machine
-    model = make_checkpoint(tmp_path_factory.mktemp("long"), "llama", max_position_embeddings=4096)
-    config = EngineConfig(model=str(model), num_kv_blocks=1024, seed=0, lanes=LANES)
-    eng = LLMEngine(config)
-    eng.step_model.set_costs(COSTS)
-    eng.step_model.refit_every = 10**9  # keep the known costs while serving
-    eng.targets.resolve()
-    engine = AsyncEngine(eng, calibrate=False)
+    engine = known_costs_engine(tmp_path_factory.mktemp("long"), LANES)
     yield engine
     engine.shutdown()
 
